@@ -1,0 +1,43 @@
+# Two commands for a newcomer: `make demo` (set up everything, start the typeahead demo) and
+# `make test` (set up everything, run every test). Both create .venv and prepare the model.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+MODEL := models/all-MiniLM-L6-v2/manifest.json
+# The tritonserver binary and Python backend come from this wheel. Installed without its
+# dependencies: we use only the binary, and its Python API pins numpy < 2.
+PYTRITON := nvidia-pytriton==0.7.0
+
+.PHONY: install model demo test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e '.[export,dev]'
+	$(BIN)/pip install -q --no-deps $(PYTRITON)
+	touch $@
+
+install: $(STAMP)
+
+$(MODEL): $(STAMP)
+	$(BIN)/embedcar model prepare
+
+model: $(MODEL)
+
+demo: $(MODEL)
+	$(BIN)/embedcar demo
+
+test: $(MODEL)
+	$(BIN)/python -m pytest -q -ra
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy .
+
+# Regenerate the lock file from the current venv (after changing dependencies).
+lock: $(STAMP)
+	$(BIN)/pip freeze --exclude-editable | grep -v -E '^(nvidia-pytriton|pip|setuptools)==' > constraints.txt
+
+clean:
+	rm -rf $(VENV) models var indexes reports

@@ -1,0 +1,1 @@
+"""Model-facing ground floor: manifest, export, tokenizer, buckets, pooling, backends, Triton."""

@@ -1,0 +1,1 @@
+"""Inference backends behind one interface: embedded ONNX Runtime, or Triton over gRPC."""

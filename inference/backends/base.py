@@ -1,0 +1,48 @@
+"""The backend interface: a padded token batch in, L2-normalised float32 embeddings out."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from inference.tokenizer import TokenBatch
+
+Embeddings = npt.NDArray[np.float32]
+
+
+@dataclass(slots=True)
+class BackendStats:
+    """Cumulative counters a backend keeps for metrics and admission control."""
+
+    calls: int = 0
+    items: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    busy_s: float = 0.0
+
+
+class Backend(ABC):
+    """One model, one version id; `embed` takes a same-shape batch from one length bucket."""
+
+    name: str = "backend"
+    version_id: str = ""
+    dim: int = 0
+    max_batch: int = 256
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Connect/load and warm up every bucket; `ready()` is True only after this."""
+
+    @abstractmethod
+    async def embed(self, batch: TokenBatch, *, timeout_s: float | None = None) -> Embeddings:
+        """[B, L] tokens -> [B, dim] L2-normalised float32. Raises project errors only."""
+
+    @abstractmethod
+    def ready(self) -> bool:
+        """Can serve now (started, warmed, and its server, if any, reachable)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release sessions/channels; idempotent."""

@@ -1,0 +1,113 @@
+"""Embedded ONNX Runtime backend: the model in-process, no server needed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from inference.backends.base import Backend, BackendStats, Embeddings
+from inference.errors import Internal, InvalidInput, ModelError
+from inference.manifest import Manifest
+from inference.pooling import pool
+from inference.tokenizer import TokenBatch
+
+
+def make_session(path: Path, threads: int) -> Any:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.intra_op_num_threads = threads if threads > 0 else (os.cpu_count() or 1)
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # ORT raises its own untyped errors for unreadable graphs
+        raise ModelError(f"ONNX Runtime cannot load {path}: {exc}") from exc
+
+
+class OnnxBackend(Backend):
+    name = "embedded"
+
+    def __init__(self, model_dir: Path, manifest: Manifest, *, variant: str | None = None,
+                 threads: int = 0, max_batch: int = 256) -> None:
+        self.manifest = manifest
+        self.variant_name = variant or manifest.default_variant
+        self._path = model_dir / manifest.variant(self.variant_name).file
+        self._threads = threads
+        self.version_id = manifest.variant_id(self.variant_name)
+        self.dim = manifest.dim
+        self.max_batch = max_batch
+        self.stats = BackendStats()
+        self._sess: Any = None
+        self._inputs: tuple[str, ...] = ()
+        # One ORT call at a time: ORT already uses every core per call; concurrent calls on
+        # 2 cores only fight over them and lengthen the tail.
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ort")
+        self._ready = False
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def load(self) -> None:
+        if self._sess is None:
+            sess = make_session(self._path, self._threads)
+            self._inputs = tuple(i.name for i in sess.get_inputs())
+            self._sess = sess
+
+    def warm_up(self) -> None:
+        """One forward pass per bucket so first requests don't pay for ORT's lazy set-up."""
+        self.load()
+        for n in self.manifest.buckets:
+            ids = np.full((1, n), self.manifest.pad_id, dtype=np.int64)
+            ids[0, 0] = self.manifest.special_ids[0] if self.manifest.special_ids else 1
+            mask = np.ones((1, n), dtype=np.int64)
+            types = np.zeros_like(ids) if self.manifest.has_token_type_ids else None
+            self.embed_sync(TokenBatch(ids, mask, types))
+        self._ready = True
+
+    async def start(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.warm_up)
+
+    def ready(self) -> bool:
+        return self._ready
+
+    async def close(self) -> None:
+        self._ready = False
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._sess = None
+
+    # --- inference -------------------------------------------------------------------------
+    def hidden_sync(self, batch: TokenBatch) -> np.ndarray:
+        self.load()
+        if batch.shape[0] > self.max_batch:
+            raise InvalidInput(f"batch of {batch.shape[0]} is over the backend maximum {self.max_batch}")
+        feed = {k: v for k, v in batch.arrays().items() if k in self._inputs}
+        with self._lock:
+            try:
+                out = self._sess.run(["last_hidden_state"], feed)[0]
+            except Exception as exc:
+                self.stats.errors["internal"] = self.stats.errors.get("internal", 0) + 1
+                raise Internal(f"ONNX Runtime failed on a {batch.shape} batch: {exc}") from exc
+        return np.asarray(out)
+
+    def embed_sync(self, batch: TokenBatch) -> Embeddings:
+        t0 = time.perf_counter()
+        hidden = self.hidden_sync(batch)
+        out = pool(hidden, batch.attention_mask, self.manifest.pooling,
+                   input_ids=batch.input_ids, special_ids=self.manifest.special_ids)
+        self.stats.calls += 1
+        self.stats.items += batch.shape[0]
+        self.stats.busy_s += time.perf_counter() - t0
+        return out
+
+    async def embed(self, batch: TokenBatch, *, timeout_s: float | None = None) -> Embeddings:
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, self.embed_sync, batch)
+        return await fut

@@ -1,0 +1,94 @@
+"""`embedcar model prepare` and `embedcar embed`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+from inference.backends.onnx import OnnxBackend
+from inference.embedder import Embedder, load_tokenizer
+from inference.manifest import load_manifest
+from inference.prepare import prepare_model
+from inference.settings import Settings
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models-dir", default=None, help="folder of prepared models (EMBEDCAR_MODEL_MODELS_DIR)")
+    p.add_argument("--model", dest="model_name", default=None, help="model name (EMBEDCAR_MODEL_NAME)")
+    p.add_argument("--variant", default=None, help="fp32 | int8 | fp16 (EMBEDCAR_MODEL_VARIANT)")
+    p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads, 0 = cores")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    from pathlib import Path
+
+    return Settings.load(overrides={"model": {
+        "models_dir": Path(args.models_dir) if getattr(args, "models_dir", None) else None,
+        "name": getattr(args, "model_name", None),
+        "variant": getattr(args, "variant", None),
+        "intra_op_threads": getattr(args, "threads", None),
+    }})
+
+
+def register_model(sub: Any) -> None:
+    p = sub.add_parser("model", help="prepare the ONNX model (offline)")
+    msub = p.add_subparsers(dest="model_command", required=True)
+    prep = msub.add_parser("prepare", help="fetch weights, export and check ONNX variants, write the manifest")
+    add_model_flags(prep)
+    prep.add_argument("--force", action="store_true", help="rebuild even if a valid model is in place")
+    prep.set_defaults(func=_prepare)
+    show = msub.add_parser("show", help="print the manifest")
+    add_model_flags(show)
+    show.set_defaults(func=_show)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    s = settings_from_args(args).model
+    prepare_model(s.models_dir, s.name, force=args.force)
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    s = settings_from_args(args).model
+    print(load_manifest(s.model_dir).to_json())
+    return 0
+
+
+def register_embed(sub: Any) -> None:
+    p = sub.add_parser("embed", help="embed texts with the embedded ONNX backend")
+    p.add_argument("texts", nargs="+", help="texts to embed")
+    p.add_argument("--json", action="store_true", help='print {"model", "dim", "embeddings"} as JSON')
+    add_model_flags(p)
+    p.set_defaults(func=_embed)
+
+
+def _embed(args: argparse.Namespace) -> int:
+    s = settings_from_args(args).model
+    manifest = load_manifest(s.model_dir)
+    backend = OnnxBackend(s.model_dir, manifest, variant=s.variant, threads=s.intra_op_threads,
+                          max_batch=s.max_batch)
+    embedder = Embedder(load_tokenizer(s.model_dir, manifest, max_text_chars=s.max_text_chars),
+                        backend, max_batch=s.max_batch)
+    result = asyncio.run(embedder.embed(args.texts))
+    emb = result.embeddings
+    if args.json:
+        json.dump({"model": backend.version_id, "dim": int(emb.shape[1]),
+                   "embeddings": emb.round(7).tolist()}, sys.stdout)
+        print()
+        return 0
+    print(f"model {backend.version_id}  shape {emb.shape}")
+    for text, vec, n, cut in zip(args.texts, emb, result.token_counts, result.truncated, strict=True):
+        flag = "  [truncated]" if cut else ""
+        print(f"  {text[:60]!r}: {n} tokens, norm {np.linalg.norm(vec):.4f}, "
+              f"first {np.array2string(vec[:4], precision=4)}{flag}")
+    if len(args.texts) > 1:
+        cos = emb @ emb.T
+        print("pairwise cosine:")
+        for i in range(len(args.texts)):
+            print("  " + " ".join(f"{cos[i, j]:6.3f}" for j in range(len(args.texts))))
+    return 0

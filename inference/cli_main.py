@@ -1,0 +1,60 @@
+"""The `embedcar` command: one tool, subcommands registered by each package.
+
+Packages declare their subcommands as `embedcar.commands` entry points (pyproject.toml), so this
+dispatcher at the bottom layer never imports the layers above it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from importlib.metadata import entry_points
+
+from inference.errors import EmbedcarError, ModelError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="embedcar", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for ep in sorted(entry_points(group="embedcar.commands"), key=lambda e: e.name):
+        try:
+            register = ep.load()
+        except ImportError as exc:
+            # One package failing to import (a missing optional dependency) must not take the
+            # other commands down; the broken one explains itself when called.
+            broken = sub.add_parser(ep.name, help=f"(unavailable: {exc})")
+            broken.set_defaults(func=_unavailable(ep.name, exc))
+            continue
+        register(sub)
+    return parser
+
+
+def _unavailable(name: str, exc: ImportError) -> Callable[[argparse.Namespace], int]:
+    def run(_args: argparse.Namespace) -> int:
+        raise ModelError(f"`embedcar {name}` cannot load: {exc}")
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        rc = args.func(args)
+    except EmbedcarError as exc:
+        print(f"embedcar: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Texts -> embeddings over any backend: validate, tokenize, group by bucket, one call per bucket."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from inference.backends.base import Backend, Embeddings
+from inference.buckets import group_by_bucket, split_batches
+from inference.manifest import Manifest, load_manifest
+from inference.text import check_texts
+from inference.tokenizer import QueryTokenizer
+
+
+def load_tokenizer(model_dir: Path, manifest: Manifest, *, max_text_chars: int = 20_000) -> QueryTokenizer:
+    return QueryTokenizer(
+        model_dir / "tokenizer.json",
+        max_length=manifest.max_length,
+        buckets=manifest.buckets,
+        pad_id=manifest.pad_id,
+        with_token_type_ids=manifest.has_token_type_ids,
+        max_text_chars=max_text_chars,
+    )
+
+
+@dataclass(slots=True)
+class EmbedResult:
+    embeddings: Embeddings
+    truncated: list[bool]
+    token_counts: list[int]
+    timings_ns: dict[str, int] = field(default_factory=dict)
+
+
+class Embedder:
+    def __init__(self, tokenizer: QueryTokenizer, backend: Backend, *, max_batch: int = 256) -> None:
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.max_batch = max_batch
+
+    @classmethod
+    def for_model_dir(cls, model_dir: Path, backend: Backend, *, max_batch: int = 256) -> Embedder:
+        return cls(load_tokenizer(model_dir, load_manifest(model_dir)), backend, max_batch=max_batch)
+
+    async def embed(self, texts: Sequence[object], *, check: bool = True,
+                    backend_batch: int | None = None) -> EmbedResult:
+        """Embed `texts` in input order. `check=False` skips the per-call batch cap (batch jobs)."""
+        t0 = time.perf_counter_ns()
+        clean = check_texts(texts, max_batch=self.max_batch if check else max(len(texts), 1))
+        enc = self.tokenizer.encode(clean)
+        t1 = time.perf_counter_ns()
+        out = np.empty((len(clean), self.backend.dim), dtype=np.float32)
+        per_call = backend_batch or self.backend.max_batch
+        calls = [
+            (chunk, self.tokenizer.batch([enc.ids[i] for i in chunk], length=bucket))
+            for bucket, idx in sorted(group_by_bucket(enc.lengths, self.tokenizer.buckets).items())
+            for chunk in split_batches(idx, per_call)
+        ]
+        results = await asyncio.gather(*(self.backend.embed(b) for _, b in calls))
+        for (chunk, _b), emb in zip(calls, results, strict=True):
+            out[chunk] = emb
+        t2 = time.perf_counter_ns()
+        return EmbedResult(out, enc.truncated, enc.lengths,
+                           {"tokenize": t1 - t0, "inference": t2 - t1, "total": t2 - t0})

@@ -1,0 +1,178 @@
+"""The one settings object: built once per process from `EMBEDCAR_*` variables and CLI flags.
+
+No other module reads the environment. Every field is documented; `describe()` prints them with
+secrets redacted. Environment names are `EMBEDCAR_<SECTION>_<FIELD>`, e.g.
+`EMBEDCAR_SIDECAR_GRPC_PORT=50051`; tuples are comma-separated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+from inference.errors import InvalidInput
+
+
+def _f(default: Any, doc: str, *, secret: bool = False) -> Any:
+    return field(default=default, metadata={"doc": doc, "secret": secret})
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSettings:
+    models_dir: Path = _f(Path("models"), "Folder holding prepared model directories (git-ignored).")
+    name: str = _f("all-MiniLM-L6-v2", "Model directory name under models_dir.")
+    variant: str = _f("fp32", "ONNX variant to serve: fp32 (fused), int8 or fp16.")
+    intra_op_threads: int = _f(0, "ONNX Runtime intra-op threads; 0 = number of cores.")
+    max_batch: int = _f(256, "Largest number of texts accepted in one embedding call.")
+    max_text_chars: int = _f(20_000, "Texts longer than this are cut before tokenizing.")
+
+    @property
+    def model_dir(self) -> Path:
+        return self.models_dir / self.name
+
+
+@dataclass(frozen=True, slots=True)
+class TritonSettings:
+    host: str = _f("127.0.0.1", "Address the local tritonserver binds to (loopback by default).")
+    grpc_port: int = _f(8001, "Triton gRPC port.")
+    http_port: int = _f(8000, "Triton HTTP port.")
+    metrics_port: int = _f(8002, "Triton Prometheus metrics port.")
+    urls: tuple[str, ...] = _f(
+        ("127.0.0.1:8001",), "Triton gRPC addresses the client spreads requests over."
+    )
+    repo_dir: Path = _f(Path("var/triton/repo"), "Generated model repository.")
+    target: str = _f("cpu", "Model repository target: cpu (ORT in Python backend) or gpu.")
+    max_queue_delay_us: int = _f(100, "Dynamic batching wait; paid in full at low traffic.")
+    preferred_batch_sizes: tuple[int, ...] = _f((4, 8, 16, 32), "Preferred dynamic batch sizes.")
+    cpu_instances: int = _f(0, "Encoder instances on CPU; 0 = one per two cores (at least 1).")
+    gpu_instances: int = _f(4, "Encoder instances per GPU (parallel CUDA streams).")
+    max_batch_size: int = _f(256, "max_batch_size of the generated models.")
+    timeout_ms: int = _f(2000, "gRPC deadline and Triton server-side timeout per request.")
+    engine_cache_dir: Path = _f(Path("var/trt-engines"), "Cache of TensorRT engines.")
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarSettings:
+    host: str = _f("127.0.0.1", "Address the sidecar binds to; non-loopback requires API keys.")
+    grpc_port: int = _f(50051, "Sidecar gRPC port (0 = pick a free one).")
+    http_port: int = _f(8080, "HTTP facade port (0 = pick a free one, -1 = off).")
+    backend: str = _f("embedded", "Inference backend: embedded (in-process ORT) or triton.")
+    api_keys: str = _f("", "tenant=key pairs, comma-separated.", secret=True)
+    api_keys_file: Path | None = _f(None, "File of `tenant key` lines (or `tenant sha256:hex`).")
+    rate_per_s: float = _f(1000.0, "Token bucket refill rate per tenant (requests/s).")
+    burst: int = _f(200, "Token bucket size per tenant.")
+    cache_entries: int = _f(100_000, "Hot-query cache size in entries (0 = off).")
+    cache_ttl_s: float = _f(3600.0, "Cache entry lifetime.")
+    max_message_bytes: int = _f(4 * 1024 * 1024, "Largest gRPC/HTTP request body.")
+    batch_wait_us: int = _f(500, "Embedded micro-batcher: longest wait to fill a batch.")
+    max_pending_batches: int = _f(2, "Admission: batches allowed to wait behind the running one.")
+    default_deadline_ms: int = _f(1000, "Deadline for requests that carry none.")
+    warm_queries_file: Path | None = _f(None, "Optional file of top queries to pre-load the cache.")
+    index_dir: Path | None = _f(None, "Catalog index root to serve Search from (None = no Search).")
+    grace_s: float = _f(5.0, "Graceful shutdown: time for in-flight requests to finish.")
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogSettings:
+    index_root: Path = _f(Path("indexes/grocery"), "Folder of versioned index directories.")
+    index_type: str = _f("auto", "auto, flat (exact), ivf or hnsw.")
+    ivf_nprobe: int = _f(16, "IVF lists probed per query.")
+    hnsw_m: int = _f(32, "HNSW graph degree.")
+    hnsw_ef_search: int = _f(64, "HNSW search breadth.")
+    batch_size: int = _f(128, "Texts per backend call in the batch job.")
+    in_flight: int = _f(2, "Backend calls in flight in the batch job.")
+    search_threads: int = _f(1, "FAISS OpenMP threads (1 is fastest for single queries).")
+
+
+@dataclass(frozen=True, slots=True)
+class DemoSettings:
+    host: str = _f("127.0.0.1", "Address the demo web server binds to.")
+    port: int = _f(8765, "Demo web server port.")
+    budget_ms: float = _f(20.0, "Per-keystroke latency budget shown on the page.")
+    max_messages_per_s: float = _f(50.0, "Per-connection websocket message cap.")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    triton: TritonSettings = field(default_factory=TritonSettings)
+    sidecar: SidecarSettings = field(default_factory=SidecarSettings)
+    catalog: CatalogSettings = field(default_factory=CatalogSettings)
+    demo: DemoSettings = field(default_factory=DemoSettings)
+
+    @classmethod
+    def load(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> Self:
+        """Defaults, then `EMBEDCAR_*` variables, then explicit overrides (CLI flags)."""
+        env = os.environ if environ is None else environ
+        sections: dict[str, Any] = {}
+        for sec in dataclasses.fields(cls):
+            sec_cls = typing.get_type_hints(cls)[sec.name]
+            values: dict[str, Any] = {}
+            hints = typing.get_type_hints(sec_cls)
+            for f in dataclasses.fields(sec_cls):
+                key = f"EMBEDCAR_{sec.name}_{f.name}".upper()
+                if key in env:
+                    values[f.name] = _parse(hints[f.name], env[key], key)
+            for name, value in ((overrides or {}).get(sec.name) or {}).items():
+                if value is not None:
+                    values[name] = value
+            sections[sec.name] = sec_cls(**values)
+        return cls(**sections)
+
+    def with_section(self, name: str, **changes: Any) -> Self:
+        return dataclasses.replace(self, **{name: dataclasses.replace(getattr(self, name), **changes)})
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        """All values with secrets redacted: safe to log."""
+        out: dict[str, dict[str, Any]] = {}
+        for sec in dataclasses.fields(self):
+            obj = getattr(self, sec.name)
+            out[sec.name] = {
+                f.name: ("<redacted>" if f.metadata.get("secret") and getattr(obj, f.name) else
+                         str(getattr(obj, f.name)))
+                for f in dataclasses.fields(obj)
+            }
+        return out
+
+    @staticmethod
+    def documentation() -> list[tuple[str, str, str]]:
+        """(variable, default, doc) for every field, for the README and `--help`."""
+        rows = []
+        for sec in dataclasses.fields(Settings):
+            sec_cls = typing.get_type_hints(Settings)[sec.name]
+            for f in dataclasses.fields(sec_cls):
+                rows.append((f"EMBEDCAR_{sec.name}_{f.name}".upper(), str(f.default),
+                             f.metadata.get("doc", "")))
+        return rows
+
+
+def _parse(tp: Any, raw: str, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    try:
+        if origin is tuple:
+            item = args[0]
+            return tuple(_parse(item, p.strip(), key) for p in raw.split(",") if p.strip())
+        if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+            inner = next(a for a in args if a is not type(None))
+            return None if raw.strip() == "" else _parse(inner, raw, key)
+        if tp is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if tp in (int, float, str, Path):
+            return tp(raw)
+    except (ValueError, StopIteration) as exc:
+        raise InvalidInput(f"{key}: cannot read {raw!r} as {tp}") from exc
+    raise InvalidInput(f"{key}: unsupported setting type {tp}")

@@ -1,0 +1,102 @@
+"""HF `tokenizers` with truncation at the manifest's max length, no fixed padding, and bucketing.
+
+The shipped tokenizer.json of all-MiniLM-L6-v2 pads every input to 128: we switch that off, or
+every query would cost 128 tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+from tokenizers import Tokenizer
+
+from inference.buckets import bucket_for, group_by_bucket
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBatch:
+    """One backend call: same-shape [B, L] arrays, L a bucket length."""
+
+    input_ids: IntArray
+    attention_mask: IntArray
+    token_type_ids: IntArray | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        b, n = self.input_ids.shape
+        return int(b), int(n)
+
+    def arrays(self) -> dict[str, IntArray]:
+        out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+        if self.token_type_ids is not None:
+            out["token_type_ids"] = self.token_type_ids
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """Token ids per text (unpadded) and whether each text was cut."""
+
+    ids: list[list[int]]
+    truncated: list[bool]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(x) for x in self.ids]
+
+
+class QueryTokenizer:
+    def __init__(
+        self,
+        tokenizer_file: Path,
+        *,
+        max_length: int,
+        buckets: Sequence[int],
+        pad_id: int,
+        with_token_type_ids: bool,
+        max_text_chars: int = 20_000,
+    ) -> None:
+        self._tok = Tokenizer.from_file(str(tokenizer_file))
+        self._tok.no_padding()
+        self._tok.enable_truncation(max_length=max_length)
+        self.max_length = max_length
+        self.buckets = tuple(buckets)
+        self.pad_id = pad_id
+        self.with_token_type_ids = with_token_type_ids
+        self.max_text_chars = max_text_chars
+
+    def encode(self, texts: Sequence[str]) -> Encoded:
+        cut = [len(t) > self.max_text_chars for t in texts]
+        if any(cut):
+            texts = [t[: self.max_text_chars] for t in texts]
+        encs = self._tok.encode_batch(list(texts)) if len(texts) > 1 else [self._tok.encode(texts[0])]
+        return Encoded(
+            ids=[e.ids for e in encs],
+            truncated=[c or bool(e.overflowing) for c, e in zip(cut, encs, strict=True)],
+        )
+
+    def batch(self, ids: Sequence[Sequence[int]], length: int | None = None) -> TokenBatch:
+        """Pad `ids` to `length` (default: the bucket of the longest) as one [B, L] batch."""
+        longest = max(len(x) for x in ids)
+        n = bucket_for(longest, self.buckets) if length is None else length
+        input_ids = np.full((len(ids), n), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(ids), n), dtype=np.int64)
+        for row, seq in enumerate(ids):
+            input_ids[row, : len(seq)] = seq
+            mask[row, : len(seq)] = 1
+        types = np.zeros_like(input_ids) if self.with_token_type_ids else None
+        return TokenBatch(input_ids, mask, types)
+
+    def bucketed(self, encoded: Encoded) -> list[tuple[list[int], TokenBatch]]:
+        """One (original indices, batch) pair per bucket present in `encoded`."""
+        groups = group_by_bucket(encoded.lengths, self.buckets)
+        return [
+            (idx, self.batch([encoded.ids[i] for i in idx], length=b))
+            for b, idx in sorted(groups.items())
+        ]

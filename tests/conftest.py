@@ -1,0 +1,47 @@
+"""Shared fixtures: the real prepared model (made by `make test` before pytest runs)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from inference.backends.onnx import OnnxBackend
+from inference.embedder import load_tokenizer
+from inference.manifest import Manifest, load_manifest
+from inference.settings import Settings
+from inference.tokenizer import QueryTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+
+@pytest.fixture(scope="session")
+def settings() -> Settings:
+    return Settings.load(environ={}, overrides={"model": {"models_dir": ROOT / "models"}})
+
+
+@pytest.fixture(scope="session")
+def model_dir(settings: Settings) -> Path:
+    d = settings.model.model_dir
+    if not (d / "manifest.json").exists():
+        pytest.fail(f"no prepared model in {d}: run `make test` (it runs `embedcar model prepare`)")
+    return d
+
+
+@pytest.fixture(scope="session")
+def manifest(model_dir: Path) -> Manifest:
+    return load_manifest(model_dir)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path, manifest: Manifest) -> QueryTokenizer:
+    return load_tokenizer(model_dir, manifest)
+
+
+@pytest.fixture(scope="session")
+def onnx_backend(model_dir: Path, manifest: Manifest) -> Iterator[OnnxBackend]:
+    b = OnnxBackend(model_dir, manifest, variant="fp32", threads=2)
+    b.warm_up()
+    yield b
