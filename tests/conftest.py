@@ -13,6 +13,8 @@ from inference.manifest import Manifest, load_manifest
 from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer
 
+pytest_plugins = ["tests.fixtures_triton", "tests.fixtures_sidecar", "tests.fixtures_catalog"]
+
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
 

@@ -1,0 +1,1 @@
+"""pytest fixtures for the catalog tests (loaded by tests/conftest.py)."""

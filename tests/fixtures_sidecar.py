@@ -1,0 +1,1 @@
+"""pytest fixtures for the sidecar tests (loaded by tests/conftest.py)."""

@@ -1,0 +1,1 @@
+"""pytest fixtures for the triton tests (loaded by tests/conftest.py)."""
