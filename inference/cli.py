@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 
 from inference.backends.onnx import OnnxBackend
+from inference.bench import register_args as register_bench_args
+from inference.bench import run as run_bench
 from inference.embedder import Embedder, load_tokenizer
 from inference.manifest import load_manifest
 from inference.prepare import prepare_model
@@ -45,6 +47,17 @@ def register_model(sub: Any) -> None:
     show = msub.add_parser("show", help="print the manifest")
     add_model_flags(show)
     show.set_defaults(func=_show)
+    bench = msub.add_parser("bench", help="raw ONNX Runtime latency per variant/shape/threads (Markdown)")
+    add_model_flags(bench)
+    register_bench_args(bench)
+    bench.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    s = settings_from_args(args).model
+    print(run_bench(s.model_dir, args.variants.split(","), [int(t) for t in args.bench_threads.split(",")],
+                    args.reps))
+    return 0
 
 
 def _prepare(args: argparse.Namespace) -> int:
