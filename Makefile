@@ -9,7 +9,7 @@ MODEL := models/all-MiniLM-L6-v2/manifest.json
 # dependencies: we use only the binary, and its Python API pins numpy < 2.
 PYTRITON := nvidia-pytriton==0.7.0
 
-.PHONY: install model demo test lint bench clean
+.PHONY: install model demo test lint lock clean browser
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -28,8 +28,15 @@ model: $(MODEL)
 demo: $(MODEL)
 	$(BIN)/embedcar demo
 
-test: $(MODEL)
+test: $(MODEL) browser
 	$(BIN)/python -m pytest -q -ra
+
+# Debian's Chromium for the browser test (Playwright's own browser download can't work here).
+# Best effort: without it that one test skips and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
+	  || echo "chromium could not be installed: the browser test will be skipped"; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
