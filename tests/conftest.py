@@ -13,7 +13,13 @@ from inference.manifest import Manifest, load_manifest
 from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer
 
-pytest_plugins = ["tests.fixtures_triton", "tests.fixtures_sidecar", "tests.fixtures_catalog"]
+pytest_plugins = [
+    "tests.fixtures_triton",
+    "tests.fixtures_sidecar",
+    "tests.fixtures_catalog",
+    "tests.fixtures_demo",
+    "tests.fixtures_loadtest",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"

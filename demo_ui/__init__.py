@@ -1,0 +1,1 @@
+"""Websocket typeahead demo: a page that searches the catalog on every keystroke through the sidecar."""

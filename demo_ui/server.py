@@ -1,0 +1,246 @@
+"""The demo web server: the typeahead page and its websocket.
+
+Protocol (JSON text frames):
+  page -> server  {"seq": int >= 0, "text": str, "k"?: int}
+  server -> page  {"seq", "text", "results": [{"title","aisle","department","score"}],
+                   "timings_ns": {sidecar stages}, "server_ms": float, "cache_hit": bool}
+                  {"seq", "dropped": "superseded" | "stale"}      (never computed)
+                  {"seq": int | null, "error": {"code", "message"}}
+Each connection has one search worker fed through a latest-wins slot: a keystroke that arrives
+while an older one is still waiting replaces it. Bad frames get an error reply; oversized frames
+and floods close the connection (1009 / 1008). Nothing a client sends can stop the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+
+from demo_ui.ratecap import RateCap
+from demo_ui.search import SearchFn
+from demo_ui.slot import LatestSlot
+from inference.errors import EmbedcarError, InvalidInput
+from inference.settings import DemoSettings
+
+log = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+MAX_K = 50
+CLOSE_TOO_BIG = 1009
+CLOSE_POLICY = 1008
+
+
+@dataclass(frozen=True, slots=True)
+class Keystroke:
+    seq: int
+    text: str
+    k: int
+    received_ns: int
+
+
+def parse_message(raw: str, *, max_query_chars: int, default_k: int) -> Keystroke:
+    """One websocket frame -> Keystroke, or InvalidInput saying what is wrong with it."""
+    try:
+        msg = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise InvalidInput("message is not JSON") from exc
+    if not isinstance(msg, dict):
+        raise InvalidInput("message must be a JSON object")
+    seq, text, k = msg.get("seq"), msg.get("text"), msg.get("k", default_k)
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise InvalidInput("seq must be a non-negative integer")
+    if not isinstance(text, str):
+        raise InvalidInput("text must be a string")
+    if len(text) > max_query_chars:
+        raise InvalidInput(f"text longer than {max_query_chars} characters")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
+        raise InvalidInput(f"k must be an integer in 1..{MAX_K}")
+    return Keystroke(seq=seq, text=text.strip(), k=k, received_ns=time.perf_counter_ns())
+
+
+def _error(seq: int | None, exc: EmbedcarError) -> dict[str, Any]:
+    return {"seq": seq, "error": {"code": exc.code, "message": exc.message}}
+
+
+class Connection:
+    """One browser tab: a reader (validation, rate cap, slot) and a single search worker."""
+
+    def __init__(self, ws: WebSocket, settings: DemoSettings, search: SearchFn) -> None:
+        self.ws = ws
+        self.settings = settings
+        self.search = search
+        self.slot: LatestSlot[Keystroke] = LatestSlot()
+        self.cap = RateCap(settings.max_messages_per_s)
+        self.last_seq = -1
+        self._send_lock = asyncio.Lock()
+
+    async def send(self, payload: dict[str, Any]) -> None:
+        async with self._send_lock:
+            await self.ws.send_text(json.dumps(payload, separators=(",", ":")))
+
+    async def run(self) -> None:
+        worker = asyncio.create_task(self._work())
+        try:
+            await self._read()
+        except WebSocketDisconnect:
+            pass
+        finally:
+            worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await worker
+
+    async def _read(self) -> None:
+        s = self.settings
+        while True:
+            frame = await self.ws.receive()
+            if frame["type"] == "websocket.disconnect":
+                return
+            raw: str | None = frame.get("text")
+            if raw is None:
+                data: bytes = frame.get("bytes") or b""
+                if len(data) > s.max_message_bytes:
+                    await self._close(CLOSE_TOO_BIG, f"message over {s.max_message_bytes} bytes")
+                    return
+                try:
+                    raw = data.decode("utf-8")
+                except UnicodeDecodeError:
+                    await self.send(_error(None, InvalidInput("binary frame is not UTF-8 text")))
+                    continue
+            if len(raw.encode("utf-8", "surrogatepass")) > s.max_message_bytes:
+                await self._close(CLOSE_TOO_BIG, f"message over {s.max_message_bytes} bytes")
+                return
+            if not self.cap.allow():
+                # Answer the first refusals so a client can back off; a client that keeps
+                # flooding after a second's worth of refusals is cut off.
+                if self.cap.refused_in_a_row > max(10.0, s.max_messages_per_s):
+                    await self._close(CLOSE_POLICY, "message rate cap exceeded")
+                    return
+                await self.send({"seq": None, "error": {
+                    "code": "resource_exhausted",
+                    "message": f"more than {s.max_messages_per_s:g} messages/s on this connection"}})
+                continue
+            try:
+                key = parse_message(raw, max_query_chars=s.max_query_chars, default_k=s.results)
+            except InvalidInput as exc:
+                await self.send(_error(_seq_of(raw), exc))
+                continue
+            if key.seq <= self.last_seq:
+                await self.send({"seq": key.seq, "dropped": "stale"})
+                continue
+            self.last_seq = key.seq
+            dropped = self.slot.put(key)
+            if dropped is not None:
+                await self.send({"seq": dropped.seq, "dropped": "superseded"})
+
+    async def _close(self, code: int, reason: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.send({"seq": None, "error": {"code": "closed", "message": reason}})
+        with contextlib.suppress(Exception):
+            await self.ws.close(code=code, reason=reason)
+
+    async def _work(self) -> None:
+        while True:
+            key = await self.slot.take()
+            try:
+                await self.send(await self._answer(key))
+            except WebSocketDisconnect:
+                return
+            except EmbedcarError as exc:
+                await self.send(_error(key.seq, exc))
+            except Exception as exc:  # a bug must cost one keystroke, not the connection
+                log.exception("search failed for seq %d", key.seq)
+                await self.send({"seq": key.seq, "error": {"code": "internal", "message": type(exc).__name__}})
+
+    async def _answer(self, key: Keystroke) -> dict[str, Any]:
+        if not key.text:
+            results: list[dict[str, Any]] = []
+            timings: dict[str, int] = {}
+            cache_hit = False
+        else:
+            out = await self.search(key.text, k=key.k, timeout_s=self.settings.search_timeout_s)
+            results = [p.to_json() for p in out.products]
+            timings, cache_hit = out.timings_ns, out.cache_hit
+        return {
+            "seq": key.seq,
+            "text": key.text,
+            "results": results,
+            "timings_ns": timings,
+            "server_ms": (time.perf_counter_ns() - key.received_ns) / 1e6,
+            "cache_hit": cache_hit,
+        }
+
+
+def _seq_of(raw: str) -> int | None:
+    """Best-effort seq of a rejected frame, so the page can tie the error to a keystroke."""
+    try:
+        msg = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    seq = msg.get("seq") if isinstance(msg, dict) else None
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+
+
+def create_app(settings: DemoSettings, search: SearchFn, *, info: dict[str, str] | None = None) -> FastAPI:
+    """The page, its static files, `/config` for the page's defaults, `/health`, and `/ws`."""
+    app = FastAPI(title="embedcar typeahead demo", docs_url=None, redoc_url=None, openapi_url=None)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    page_config = {"budget_ms": settings.budget_ms, "results": settings.results, **(info or {})}
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html")
+
+    @app.get("/config")
+    async def config() -> JSONResponse:
+        return JSONResponse(page_config)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.websocket("/ws")
+    async def ws_endpoint(ws: WebSocket) -> None:
+        await ws.accept()
+        await Connection(ws, settings, search).run()
+
+    return app
+
+
+class DemoServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the stack owns Ctrl-C/SIGTERM for every part."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful with port 0); valid once `started` is True."""
+        sock = self.servers[0].sockets[0]
+        return int(sock.getsockname()[1])
+
+
+def build_server(app: FastAPI, settings: DemoSettings, *, port: int | None = None) -> DemoServer:
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port if port is None else port,
+        # Frames far beyond our own cap are refused by the protocol layer before they are read.
+        ws_max_size=16 * settings.max_message_bytes,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+    )
+    return DemoServer(config)

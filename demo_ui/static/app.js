@@ -1,0 +1,213 @@
+// Typeahead page: one websocket, one message per keystroke, newest answer wins.
+"use strict";
+
+const STAGES = [
+  // [key, label, colour]; "network" and "server" are derived, the rest come from the sidecar.
+  ["network", "network", "#8e9aaf"],
+  ["server", "server", "#6c8ebf"],
+  ["cache", "cache", "#b48ead"],
+  ["tokenize", "tokenize", "#d08770"],
+  ["queue", "queue", "#ebcb8b"],
+  ["inference", "inference", "#5e81ac"],
+  ["search", "FAISS search", "#88c0d0"],
+];
+const SIDECAR_STAGES = ["cache", "tokenize", "queue", "inference", "search"];
+const STRIP_LEN = 50;
+
+const $ = (id) => document.getElementById(id);
+const state = {
+  ws: null,
+  seq: 0,
+  shownSeq: -1,
+  sentAt: new Map(),      // seq -> performance.now() when sent
+  totals: [],             // every answered keystroke of this session (ms)
+  budget: 20,
+  debounceTimer: null,
+  retryMs: 250,
+};
+
+function connect() {
+  const proto = location.protocol === "https:" ? "wss:" : "ws:";
+  const ws = new WebSocket(`${proto}//${location.host}/ws`);
+  state.ws = ws;
+  ws.onopen = () => {
+    setStatus("connected", "ok");
+    state.retryMs = 250;
+    if ($("q").value) sendNow();
+  };
+  ws.onclose = () => {
+    setStatus("disconnected, retrying…", "bad");
+    setTimeout(connect, state.retryMs);
+    state.retryMs = Math.min(state.retryMs * 2, 5000);
+  };
+  ws.onmessage = (ev) => onMessage(JSON.parse(ev.data));
+}
+
+function setStatus(text, cls) {
+  const el = $("status");
+  el.textContent = text;
+  el.className = `status ${cls || ""}`;
+}
+
+function sendNow() {
+  if (!state.ws || state.ws.readyState !== WebSocket.OPEN) return;
+  state.seq += 1;
+  state.sentAt.set(state.seq, performance.now());
+  state.ws.send(JSON.stringify({ seq: state.seq, text: $("q").value }));
+}
+
+function onInput() {
+  clearTimeout(state.debounceTimer);
+  if ($("debounce").checked) {
+    const ms = Math.max(0, Number($("debounce-ms").value) || 0);
+    state.debounceTimer = setTimeout(sendNow, ms);
+  } else {
+    sendNow();
+  }
+}
+
+function onMessage(msg) {
+  if (msg.dropped) {            // superseded on the server: never computed
+    state.sentAt.delete(msg.seq);
+    return;
+  }
+  if (msg.error) {
+    if (msg.seq === null || msg.seq >= state.shownSeq) showError(`${msg.error.code}: ${msg.error.message}`);
+    state.sentAt.delete(msg.seq);
+    return;
+  }
+  if (msg.seq <= state.shownSeq) return;  // an older answer than what is on screen
+  const sent = state.sentAt.get(msg.seq);
+  const rtt = sent === undefined ? msg.server_ms : performance.now() - sent;
+  for (const s of state.sentAt.keys()) if (s <= msg.seq) state.sentAt.delete(s);
+  state.shownSeq = msg.seq;
+  showError(null);
+  renderResults(msg);
+  const stages = stageBreakdown(msg, rtt);
+  renderBar(stages, rtt, msg.cache_hit, msg.text);
+  if (msg.text) {               // an empty box is not a search: keep it out of the statistics
+    state.totals.push(rtt);
+    renderStrip();
+  }
+}
+
+function stageBreakdown(msg, rtt) {
+  const t = msg.timings_ns || {};
+  const out = {};
+  let sidecar = 0;
+  for (const k of SIDECAR_STAGES) {
+    out[k] = (t[k] || 0) / 1e6;
+    sidecar += out[k];
+  }
+  out.server = Math.max(0, msg.server_ms - sidecar);   // demo server + gRPC hop + sidecar glue
+  out.network = Math.max(0, rtt - msg.server_ms);      // browser <-> demo server
+  return out;
+}
+
+function fmt(ms) {
+  return ms >= 10 ? `${ms.toFixed(0)} ms` : `${ms.toFixed(1)} ms`;
+}
+
+function renderResults(msg) {
+  const ol = $("results");
+  ol.dataset.query = msg.text;
+  ol.replaceChildren(...msg.results.map((r) => {
+    const li = document.createElement("li");
+    const title = document.createElement("span");
+    title.className = "title";
+    title.textContent = r.title;
+    const meta = document.createElement("span");
+    meta.className = "meta";
+    meta.textContent = [r.aisle, r.department].filter(Boolean).join(" · ");
+    const score = document.createElement("span");
+    score.className = "score";
+    score.textContent = r.score.toFixed(3);
+    li.append(title, meta, score);
+    return li;
+  }));
+}
+
+function renderBar(stages, total, cacheHit, text) {
+  const scale = Math.max(state.budget * 1.5, total * 1.05);
+  const segs = $("segments");
+  segs.replaceChildren(...STAGES.filter(([k]) => stages[k] > 0).map(([k, label, colour]) => {
+    const d = document.createElement("div");
+    d.className = "seg";
+    d.dataset.stage = k;
+    d.style.width = `${(100 * stages[k]) / scale}%`;
+    d.style.background = colour;
+    d.title = `${label}: ${fmt(stages[k])}`;
+    return d;
+  }));
+  $("budget-line").style.left = `${(100 * state.budget) / scale}%`;
+  $("budget-shown").textContent = String(state.budget);
+  const over = total > state.budget;
+  $("bar").className = `bar ${over ? "over" : "within"}`;
+  const tot = $("total");
+  tot.textContent = fmt(total);
+  tot.className = over ? "over" : "within";
+  $("cache-badge").hidden = !cacheHit;
+  $("query-shown").textContent = text ? `“${text}”` : "";
+  $("legend").replaceChildren(...STAGES.map(([k, label, colour]) => {
+    const li = document.createElement("li");
+    li.innerHTML = `<i style="background:${colour}"></i>`;
+    li.append(`${label} ${fmt(stages[k] || 0)}`);
+    return li;
+  }));
+}
+
+function percentile(values, p) {
+  if (!values.length) return NaN;
+  const sorted = [...values].sort((a, b) => a - b);
+  const idx = Math.min(sorted.length - 1, Math.ceil((p / 100) * sorted.length) - 1);
+  return sorted[Math.max(0, idx)];
+}
+
+function renderStrip() {
+  const recent = state.totals.slice(-STRIP_LEN);
+  const scale = Math.max(state.budget * 1.5, ...recent);
+  const strip = $("strip");
+  const bars = recent.map((ms) => {
+    const d = document.createElement("div");
+    d.className = `tick ${ms > state.budget ? "over" : "within"}`;
+    d.style.height = `${Math.max(2, (100 * ms) / scale)}%`;
+    d.title = fmt(ms);
+    return d;
+  });
+  const line = $("strip-budget");
+  line.style.bottom = `${(100 * state.budget) / scale}%`;
+  strip.replaceChildren(line, ...bars);
+  const p50 = percentile(state.totals, 50);
+  const p95 = percentile(state.totals, 95);
+  $("p50").textContent = fmt(p50);
+  $("p95").textContent = fmt(p95);
+  $("p95").className = p95 > state.budget ? "over" : "within";
+  $("count").textContent = String(state.totals.length);
+}
+
+function showError(text) {
+  const el = $("error");
+  el.hidden = !text;
+  el.textContent = text || "";
+}
+
+async function loadConfig() {
+  try {
+    const cfg = await (await fetch("/config")).json();
+    state.budget = Number(cfg.budget_ms) || state.budget;
+    $("budget").value = String(state.budget);
+    $("budget-shown").textContent = String(state.budget);
+    const parts = [cfg.backend && `backend: ${cfg.backend}`, cfg.model && `model: ${cfg.model}`,
+                   cfg.index && `index: ${cfg.index}`].filter(Boolean);
+    $("info").textContent = parts.join(" · ");
+  } catch (_) { /* defaults are fine */ }
+}
+
+$("q").addEventListener("input", onInput);
+$("budget").addEventListener("change", () => {
+  const v = Number($("budget").value);
+  if (v > 0) state.budget = v;
+  $("budget-shown").textContent = String(state.budget);
+  if (state.totals.length) renderStrip();
+});
+loadConfig().finally(connect);

@@ -1,0 +1,87 @@
+"""The typeahead page in a real headless Chromium (Debian's), driven by Playwright.
+
+Types a query letter by letter and checks what a person would look at: results for the final
+query, a stacked budget bar with its budget line, the session's P95. Saves a screenshot to
+test-artifacts/demo.png.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from demo_ui.search import SearchFn
+from tests.fixtures_demo import InProcessSearch, inprocess_search, running_demo, sidecar_search_target
+
+__all__ = ["inprocess_search", "sidecar_search_target"]  # fixtures imported for pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+QUERY = "greek yogurt"
+
+
+def _browser_missing() -> str | None:
+    if not CHROMIUM.exists() and shutil.which("chromium") is None:
+        return "Debian chromium is not installed (apt-get install chromium chromium-driver; `make browser`)"
+    try:
+        import playwright.async_api  # noqa: F401
+    except ImportError:
+        return "the playwright Python package is not installed"
+    return None
+
+
+@pytest.fixture
+def page_search(request: pytest.FixtureRequest, inprocess_search: InProcessSearch) -> tuple[SearchFn, str]:
+    """The real sidecar when it can run here, else the in-process search (same protocol)."""
+    try:
+        target = request.getfixturevalue("sidecar_search_target")
+    except pytest.skip.Exception:
+        return inprocess_search, "in-process"
+    from tests.fixtures_demo import sidecar_search_fn
+
+    return sidecar_search_fn(target), "sidecar"
+
+
+@pytest.mark.browser
+async def test_typing_shows_results_budget_bar_and_p95(page_search: tuple[SearchFn, str]) -> None:
+    reason = _browser_missing()
+    if reason:
+        pytest.skip(reason)
+    from playwright.async_api import async_playwright
+
+    search, kind = page_search
+    async with running_demo(search, info={"backend": kind}) as addr, async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page(viewport={"width": 1000, "height": 1100})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            await page.goto(f"http://{addr}/")
+            await page.wait_for_selector("#status.ok", timeout=15_000)
+            await page.click("#q")
+            await page.keyboard.type(QUERY, delay=40)  # one input event per letter
+            await page.wait_for_function(
+                f"document.getElementById('results').dataset.query === {QUERY!r}", timeout=20_000)
+
+            titles = await page.locator("#results li .title").all_inner_texts()
+            assert len(titles) == 10
+            assert "yogurt" in titles[0].lower()
+            assert await page.locator("#segments .seg").count() >= 2
+            assert await page.locator("#budget-line").is_visible()
+            assert re.search(r"\b(within|over)\b", await page.locator("#bar").get_attribute("class") or "")
+            p95 = await page.locator("#p95").inner_text()
+            assert re.fullmatch(r"\d+(\.\d)? ms", p95), p95
+            answered = int(await page.locator("#count").inner_text())
+            assert 1 <= answered <= len(QUERY)  # superseded keystrokes are never answered
+            assert await page.locator("#total").inner_text() != "–"
+            assert not errors, errors
+
+            ARTIFACTS.mkdir(exist_ok=True)
+            await page.screenshot(path=str(ARTIFACTS / "demo.png"), full_page=True)
+        finally:
+            await browser.close()
