@@ -47,13 +47,22 @@ class TritonSettings:
     )
     repo_dir: Path = _f(Path("var/triton/repo"), "Generated model repository.")
     target: str = _f("cpu", "Model repository target: cpu (ORT in Python backend) or gpu.")
-    max_queue_delay_us: int = _f(100, "Dynamic batching wait; paid in full at low traffic.")
+    max_queue_delay_us: int = _f(
+        0, "Dynamic batching wait; paid in full at low traffic. 0 = batch only what is already queued."
+    )
     preferred_batch_sizes: tuple[int, ...] = _f((4, 8, 16, 32), "Preferred dynamic batch sizes.")
     cpu_instances: int = _f(0, "Encoder instances on CPU; 0 = one per two cores (at least 1).")
     gpu_instances: int = _f(4, "Encoder instances per GPU (parallel CUDA streams).")
     max_batch_size: int = _f(256, "max_batch_size of the generated models.")
     timeout_ms: int = _f(2000, "gRPC deadline and Triton server-side timeout per request.")
     engine_cache_dir: Path = _f(Path("var/trt-engines"), "Cache of TensorRT engines.")
+    backend_dir: Path = _f(Path("var/triton/backends"), "Assembled backend directory (Python backend + stub).")
+    ort_threads: int = _f(0, "ORT intra-op threads per CPU encoder instance; 0 = cores / instances.")
+    ort_spinning: bool = _f(False, "Let ORT threads spin between ops (off: shared cores stay free).")
+    shm_default_mb: int = _f(16, "Python backend shared-memory region per stub at start (MiB).")
+    shm_growth_mb: int = _f(64, "Python backend shared-memory growth step (MiB).")
+    startup_timeout_s: float = _f(120.0, "Longest wait for tritonserver to become ready.")
+    probe_interval_s: float = _f(0.5, "Client: how often each Triton URL is probed for readiness.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,18 +84,30 @@ class SidecarSettings:
     warm_queries_file: Path | None = _f(None, "Optional file of top queries to pre-load the cache.")
     index_dir: Path | None = _f(None, "Catalog index root to serve Search from (None = no Search).")
     grace_s: float = _f(5.0, "Graceful shutdown: time for in-flight requests to finish.")
+    max_text_chars: int = _f(10_000, "Texts longer than this are rejected (INVALID_ARGUMENT).")
+    batch_max_items: int = _f(32, "Embedded micro-batcher: most texts in one forward pass.")
+    max_k: int = _f(100, "Largest k a Search may ask for.")
+    index_poll_s: float = _f(5.0, "How often to look for a newer catalog index version.")
+    health_poll_s: float = _f(0.5, "How often to probe the backend while it is down.")
 
 
 @dataclass(frozen=True, slots=True)
 class CatalogSettings:
     index_root: Path = _f(Path("indexes/grocery"), "Folder of versioned index directories.")
     index_type: str = _f("auto", "auto, flat (exact), ivf or hnsw.")
-    ivf_nprobe: int = _f(16, "IVF lists probed per query.")
+    ivf_nprobe: int = _f(0, "IVF lists probed per query; 0 = the value measured at build time.")
     hnsw_m: int = _f(32, "HNSW graph degree.")
     hnsw_ef_search: int = _f(64, "HNSW search breadth.")
     batch_size: int = _f(128, "Texts per backend call in the batch job.")
     in_flight: int = _f(2, "Backend calls in flight in the batch job.")
     search_threads: int = _f(1, "FAISS OpenMP threads (1 is fastest for single queries).")
+    text_fields: tuple[str, ...] = _f(("title",), "Product fields joined (with ' | ') into the embedded text.")
+    flat_max_items: int = _f(200_000, "auto index type: exact search up to this many items, IVF above.")
+    ivf_nlist: int = _f(0, "IVF lists; 0 = about sqrt(items).")
+    ann_recall_target: float = _f(0.95, "Build-time nprobe choice: smallest reaching this recall@10 vs exact.")
+    hnsw_ef_construction: int = _f(80, "HNSW build breadth (slow to build on CPU: see DESIGN).")
+    chunk_items: int = _f(4096, "Batch job checkpoint granularity: items per chunk file.")
+    use_gpu: bool = _f(True, "Move the index to the GPU when faiss has GPUs.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +116,10 @@ class DemoSettings:
     port: int = _f(8765, "Demo web server port.")
     budget_ms: float = _f(20.0, "Per-keystroke latency budget shown on the page.")
     max_messages_per_s: float = _f(50.0, "Per-connection websocket message cap.")
+    max_message_bytes: int = _f(4096, "Largest websocket message accepted; bigger closes the socket.")
+    max_query_chars: int = _f(200, "Longest query text searched; longer gets an error message.")
+    results: int = _f(10, "Products shown per keystroke.")
+    search_timeout_s: float = _f(2.0, "Deadline of one Search call to the sidecar.")
 
 
 @dataclass(frozen=True, slots=True)

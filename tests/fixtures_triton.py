@@ -1,1 +1,36 @@
-"""pytest fixtures for the triton tests (loaded by tests/conftest.py)."""
+"""pytest fixtures for the Triton tests (loaded by tests/conftest.py).
+
+`triton_server` starts the real tritonserver from the nvidia-pytriton wheel once per test run,
+in its own temporary repository and backend folder and on free loopback ports, so parallel test
+runs on the same machine do not collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from inference.settings import Settings
+from inference.triton.launcher import TritonServer, triton_unavailable_reason
+
+
+def triton_settings(settings: Settings, root: Path) -> Settings:
+    """The session settings with a private repository/backend folder under `root`."""
+    return settings.with_section("triton", repo_dir=root / "repo", backend_dir=root / "backends")
+
+
+@pytest.fixture(scope="session")
+def triton_server(settings: Settings, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[TritonServer]:
+    reason = triton_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    s = triton_settings(settings, tmp_path_factory.mktemp("triton"))
+    server = TritonServer(s, variant="fp32")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,1 @@
+"""Triton integration: model repository, launcher, TensorRT engine build, CLI."""

@@ -1,0 +1,170 @@
+"""`embedcar triton bench`: single-query latency through Triton vs the embedded backend vs raw ORT.
+
+For each shape the three paths run interleaved (raw ORT, embedded, Triton, raw ORT, ...) so
+machine noise hits them alike. Triton's statistics API, read before and after, splits the Triton
+time per ensemble step (queue, compute input/infer/output), so the cost of the hop is visible.
+Timings are for the machine the command runs on; the report says so.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from inference.backends.onnx import OnnxBackend
+from inference.backends.triton import TritonBackend
+from inference.manifest import Manifest, atomic_write_text, load_manifest
+from inference.settings import Settings
+from inference.tokenizer import TokenBatch
+from inference.triton.repository import cpu_sizing
+
+STEP_KEYS = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
+@dataclass(slots=True)
+class PathResult:
+    shape: str
+    path: str
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    n: int
+
+
+@dataclass(slots=True)
+class BenchReport:
+    when: str
+    host: str
+    variant: str
+    ort_threads: int
+    url: str
+    results: list[PathResult] = field(default_factory=list)
+    # shape -> model -> step -> mean microseconds per request
+    steps_us: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+
+    def markdown(self) -> str:
+        lines = [f"Triton hop benchmark, {self.when} on {self.host} (variant {self.variant}, ORT threads "
+                 f"{self.ort_threads}, Triton {self.url}); single queries, one at a time. `raw ORT` is a "
+                 "session set up like the Triton encoder's; `embedded` is the in-process backend "
+                 "(ORT + pooling) as the sidecar runs it.", "",
+                 "| shape | path | P50 ms | P95 ms | P99 ms | n |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r.shape} | {r.path} | {r.p50_ms:.2f} | {r.p95_ms:.2f} | {r.p99_ms:.2f} | {r.n} |"
+                  for r in self.results]
+        lines += ["", "Triton overhead over the raw ORT call (the target is <= 1.5 ms at P95):", "",
+                  "| shape | P50 +ms | P95 +ms |", "|---|---|---|"]
+        by = {(r.shape, r.path): r for r in self.results}
+        for shape in dict.fromkeys(r.shape for r in self.results):
+            raw, tri = by.get((shape, "raw ORT")), by.get((shape, "triton ensemble"))
+            if raw and tri:
+                lines.append(f"| {shape} | {tri.p50_ms - raw.p50_ms:+.2f} | {tri.p95_ms - raw.p95_ms:+.2f} |")
+        lines += ["", "Where Triton's time goes, mean µs per request (Triton statistics API):", "",
+                  "| shape | model | queue | compute input | compute infer | compute output |",
+                  "|---|---|---|---|---|---|"]
+        for shape, models in self.steps_us.items():
+            for model, st in models.items():
+                lines.append(f"| {shape} | {model} | " + " | ".join(f"{st.get(k, 0.0):.0f}" for k in STEP_KEYS) + " |")
+        return "\n".join(lines) + "\n"
+
+
+def _pct(samples: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(samples) * 1000.0, q))
+
+
+def encoder_session(path: Path, threads: int, spinning: bool) -> Any:
+    """An ORT session set up exactly like the Triton encoder's, so the hop is all that differs."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def _query_batch(manifest: Manifest, b: int, n: int) -> TokenBatch:
+    rng = np.random.default_rng(n)
+    ids = rng.integers(1000, 20000, size=(b, n), dtype=np.int64)
+    ids[:, 0], ids[:, -1] = 101, 102
+    return TokenBatch(ids, np.ones_like(ids), np.zeros_like(ids) if manifest.has_token_type_ids else None)
+
+
+def _step_delta(before: dict[str, dict[str, float | int]], after: dict[str, dict[str, float | int]]
+                ) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for model, a in after.items():
+        b = before.get(model, {})
+        count = max(int(a.get("success_count", 0)) - int(b.get("success_count", 0)), 1)
+        out[model] = {k: (float(a.get(f"{k}_ns", 0)) - float(b.get(f"{k}_ns", 0))) / count / 1000.0
+                      for k in STEP_KEYS}
+    return out
+
+
+async def run(settings: Settings, url: str, *, shapes: Sequence[tuple[int, int]] = ((1, 16), (1, 32), (1, 64)),
+              reps: int = 300, warmup: int = 30) -> BenchReport:
+    model_dir = settings.model.model_dir
+    manifest = load_manifest(model_dir)
+    variant = settings.model.variant
+    threads = cpu_sizing(settings).ort_threads
+    sess = encoder_session(model_dir / manifest.variant(variant).file, threads, settings.triton.ort_spinning)
+    onnx_inputs = {i.name for i in sess.get_inputs()}
+    embedded = OnnxBackend(model_dir, manifest, variant=variant, threads=threads)
+    embedded.warm_up()
+    triton = TritonBackend([url], manifest, variant=variant, timeout_s=10.0)
+    await triton.start()
+    report = BenchReport(when=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), host=platform.node(),
+                         variant=variant, ort_threads=threads, url=url)
+    try:
+        for b, n in shapes:
+            batch = _query_batch(manifest, b, n)
+            feed = {k: v for k, v in batch.arrays().items() if k in onnx_inputs}
+            times: dict[str, list[float]] = {"raw ORT": [], "embedded": [], "triton ensemble": []}
+            stats_before: dict[str, dict[str, float | int]] = {}
+            for i in range(warmup + reps):
+                if i == warmup:
+                    stats_before = await triton.statistics()
+                t0 = time.perf_counter()
+                sess.run(["last_hidden_state"], feed)
+                t1 = time.perf_counter()
+                embedded.embed_sync(batch)
+                t2 = time.perf_counter()
+                await triton.embed(batch)
+                t3 = time.perf_counter()
+                if i >= warmup:
+                    times["raw ORT"].append(t1 - t0)
+                    times["embedded"].append(t2 - t1)
+                    times["triton ensemble"].append(t3 - t2)
+            shape = f"{b}x{n}"
+            report.steps_us[shape] = _step_delta(stats_before, await triton.statistics())
+            for path, ts in times.items():
+                report.results.append(PathResult(shape, path, _pct(ts, 50), _pct(ts, 95), _pct(ts, 99), len(ts)))
+    finally:
+        await triton.close()
+        await embedded.close()
+    return report
+
+
+def save_json(report: BenchReport, path: Path) -> None:
+    atomic_write_text(path, json.dumps(asdict(report), indent=2))
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.split(","):
+        b, _, n = part.strip().partition("x")
+        out.append((int(b), int(n)))
+    return out
+
+
+def to_dict(report: BenchReport) -> dict[str, Any]:
+    return asdict(report)

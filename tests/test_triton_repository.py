@@ -1,0 +1,130 @@
+"""The generated model repository, checked by parsing every config into Triton's ModelConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from tritonclient.grpc import model_config_pb2 as mc
+
+from inference.errors import InvalidInput, ModelError
+from inference.manifest import Manifest
+from inference.settings import Settings
+from inference.triton.repository import (
+    ENCODER,
+    ENSEMBLE,
+    POOLING,
+    cpu_sizing,
+    generate_repository,
+    load_config,
+    repository_target,
+)
+
+
+def _configs(repo: Path) -> dict[str, mc.ModelConfig]:
+    return {name: load_config(repo / name / "config.pbtxt") for name in (ENCODER, POOLING, ENSEMBLE)}
+
+
+def test_cpu_repository(settings: Settings, manifest: Manifest, model_dir: Path, tmp_path: Path) -> None:
+    repo = generate_repository(settings, manifest, model_dir, out_dir=tmp_path, target="cpu", variant="int8")
+    cfg = _configs(repo)
+    enc = cfg[ENCODER]
+    assert enc.backend == "python" and enc.platform == ""
+    assert enc.max_batch_size == settings.triton.max_batch_size
+    assert [i.name for i in enc.input] == list(manifest.inputs)
+    assert all(i.data_type == mc.TYPE_INT32 and list(i.dims) == [-1] for i in enc.input)
+    assert [(o.name, list(o.dims)) for o in enc.output] == [("last_hidden_state", [-1, manifest.dim])]
+    (group,) = enc.instance_group
+    assert group.kind == mc.ModelInstanceGroup.KIND_CPU
+    threads = int(enc.parameters["intra_op_threads"].string_value)
+    assert group.count * threads <= max(cpu_sizing(settings).instances * cpu_sizing(settings).ort_threads, 1)
+    assert Path(enc.parameters["onnx_path"].string_value) == (model_dir / manifest.variants["int8"].file).resolve()
+    assert enc.dynamic_batching.max_queue_delay_microseconds <= 1000
+    assert list(enc.dynamic_batching.preferred_batch_size) == sorted(settings.triton.preferred_batch_sizes)
+    assert (repo / ENCODER / "1" / "model.py").exists()
+    assert (repo / POOLING / "1" / "model.py").exists()
+    sys_path = enc.parameters["sys_path"].string_value.split(":")
+    assert any(Path(p, "inference", "pooling.py").exists() for p in sys_path)
+    assert any(Path(p, "onnxruntime").exists() for p in sys_path)
+
+    pool = cfg[POOLING]
+    assert pool.backend == "python" and pool.parameters["mode"].string_value == manifest.pooling
+    assert [o.name for o in pool.output] == ["embedding"] and list(pool.output[0].dims) == [manifest.dim]
+    assert pool.dynamic_batching.max_queue_delay_microseconds == 0
+
+    ens = cfg[ENSEMBLE]
+    assert ens.platform == "ensemble"
+    steps = list(ens.ensemble_scheduling.step)
+    assert [s.model_name for s in steps] == [ENCODER, POOLING]
+    assert steps[0].output_map["last_hidden_state"] == steps[1].input_map["last_hidden_state"]
+    assert steps[1].input_map["attention_mask"] == "attention_mask"
+    assert steps[1].output_map["embedding"] == "embedding"
+    assert {i.name for i in ens.input} == set(manifest.inputs)
+    assert repository_target(repo) == ("cpu", manifest.variant_id("int8"))
+
+
+def test_gpu_repository(settings: Settings, manifest: Manifest, model_dir: Path, tmp_path: Path) -> None:
+    generate_repository(settings, manifest, model_dir, out_dir=tmp_path, target="cpu")
+    repo = generate_repository(settings, manifest, model_dir, out_dir=tmp_path, target="gpu", variant="fp16",
+                               project_root=Path("/opt/embedcar"))
+    cfg = _configs(repo)
+    enc = cfg[ENCODER]
+    assert enc.platform == "tensorrt_plan" and enc.backend == ""
+    assert enc.default_model_filename == "model.plan"
+    assert enc.max_batch_size == 256
+    (group,) = enc.instance_group
+    assert group.kind == mc.ModelInstanceGroup.KIND_GPU and group.count == 4
+    assert not (repo / ENCODER / "1" / "model.py").exists(), "a CPU leftover would confuse Triton"
+    assert cfg[POOLING].parameters["sys_path"].string_value == "/opt/embedcar"
+    # ids types agree along the ensemble, whatever the target chose
+    id_types = {i.data_type for i in enc.input} | {i.data_type for i in cfg[ENSEMBLE].input}
+    assert len(id_types) == 1
+    assert repository_target(repo) == ("gpu", manifest.variant_id("fp16"))
+
+
+def test_excluding_special_pooling_wires_input_ids(settings: Settings, manifest: Manifest, model_dir: Path,
+                                                   tmp_path: Path) -> None:
+    m = dataclasses.replace(manifest, pooling="mean_excluding_special")
+    cfg = _configs(generate_repository(settings, m, model_dir, out_dir=tmp_path, target="cpu"))
+    assert "input_ids" in {i.name for i in cfg[POOLING].input}
+    assert cfg[ENSEMBLE].ensemble_scheduling.step[1].input_map["input_ids"] == "input_ids"
+    assert cfg[POOLING].parameters["special_ids"].string_value == ",".join(map(str, manifest.special_ids))
+
+
+def test_settings_drive_batching_and_instances(settings: Settings, manifest: Manifest, model_dir: Path,
+                                               tmp_path: Path) -> None:
+    s = settings.with_section("triton", max_queue_delay_us=250, preferred_batch_sizes=(64, 2, 512),
+                              cpu_instances=3, ort_threads=1, max_batch_size=128)
+    enc = _configs(generate_repository(s, manifest, model_dir, out_dir=tmp_path, target="cpu"))[ENCODER]
+    assert enc.dynamic_batching.max_queue_delay_microseconds == 250
+    assert list(enc.dynamic_batching.preferred_batch_size) == [2, 64]  # 512 > max_batch_size dropped
+    assert enc.instance_group[0].count == 3 and enc.parameters["intra_op_threads"].string_value == "1"
+    assert enc.max_batch_size == 128
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 8, 16])
+def test_cpu_sizing_never_oversubscribes(settings: Settings, cores: int) -> None:
+    sz = cpu_sizing(settings, cores)
+    assert sz.instances >= 1 and sz.ort_threads >= 1
+    assert sz.instances * sz.ort_threads <= max(cores, 1)
+
+
+def test_regenerating_same_content_does_not_rewrite(settings: Settings, manifest: Manifest, model_dir: Path,
+                                                    tmp_path: Path) -> None:
+    repo = generate_repository(settings, manifest, model_dir, out_dir=tmp_path, target="cpu")
+    files = sorted(p for p in repo.rglob("*") if p.is_file())
+    before = {p: p.stat().st_mtime_ns for p in files}
+    generate_repository(settings, manifest, model_dir, out_dir=tmp_path, target="cpu")
+    assert {p: p.stat().st_mtime_ns for p in files} == before
+
+
+def test_bad_inputs_are_clear_errors(settings: Settings, manifest: Manifest, model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput, match="target"):
+        generate_repository(settings, manifest, model_dir, out_dir=tmp_path, target="tpu")
+    with pytest.raises(ModelError, match="variant"):
+        generate_repository(settings, manifest, model_dir, out_dir=tmp_path, target="cpu", variant="int4")
+    bad = tmp_path / "bad.pbtxt"
+    bad.write_text('name: "x"\nmax_batch_sise: 4\n')
+    with pytest.raises(ModelError, match="not a valid Triton model config"):
+        load_config(bad)

@@ -1,0 +1,261 @@
+"""Integration: the real tritonserver (nvidia-pytriton wheel) serving the generated CPU repository."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from inference.backends.onnx import OnnxBackend
+from inference.backends.triton import TritonBackend, map_error
+from inference.errors import DeadlineExceeded, InvalidInput, Unavailable
+from inference.manifest import Manifest
+from inference.settings import Settings
+from inference.tokenizer import QueryTokenizer, TokenBatch
+from inference.triton.launcher import TritonServer, free_port, triton_unavailable_reason
+from tests.fixtures_triton import triton_settings
+
+pytestmark = pytest.mark.triton
+
+TEXTS = ["milk", "organic whole milk 1 gallon", "gluten free bread", "dark chocolate 85% cocoa bar",
+         "frozen pizza pepperoni family size"]
+
+
+def _text_of_length(tokens: int) -> str:
+    # "apple" is one token: [CLS] + n-2 words + [SEP] = n tokens.
+    return " ".join(["apple"] * max(tokens - 2, 1))
+
+
+@pytest.fixture
+async def backend(triton_server: TritonServer, manifest: Manifest) -> AsyncIterator[TritonBackend]:
+    b = TritonBackend([triton_server.grpc_url], manifest, variant="fp32", timeout_s=10.0)
+    await b.start()
+    yield b
+    await b.close()
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    out: np.ndarray = np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return out
+
+
+async def test_ensemble_matches_embedded_every_bucket(backend: TritonBackend, onnx_backend: OnnxBackend,
+                                                      tokenizer: QueryTokenizer, manifest: Manifest) -> None:
+    assert backend.version_id == onnx_backend.version_id
+    for bucket in manifest.buckets:
+        texts = [*TEXTS, _text_of_length(bucket)]
+        enc = tokenizer.encode(texts)
+        batch = tokenizer.batch(enc.ids, length=bucket)
+        got = await backend.embed(batch)
+        want = onnx_backend.embed_sync(batch)
+        assert got.shape == (len(texts), manifest.dim) and got.dtype == np.float32
+        assert _cos(got, want).min() >= 0.9999, bucket
+        assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-4)
+
+
+async def test_dynamic_batching_happens(backend: TritonBackend, tokenizer: QueryTokenizer) -> None:
+    before = (await backend.statistics())["encoder"]
+    batch = tokenizer.batch(tokenizer.encode(["bananas"]).ids, length=32)
+    results = await asyncio.gather(*(backend.embed(batch) for _ in range(48)))
+    after = (await backend.statistics())["encoder"]
+    assert all(np.allclose(r, results[0], atol=1e-5) for r in results)
+    inferences = after["inference_count"] - before["inference_count"]
+    executions = after["execution_count"] - before["execution_count"]
+    assert inferences == 48
+    assert executions < inferences, "concurrent same-shape requests were never batched together"
+
+
+async def test_statistics_cover_every_step(backend: TritonBackend, tokenizer: QueryTokenizer) -> None:
+    await backend.embed(tokenizer.batch(tokenizer.encode(["eggs"]).ids))
+    stats = await backend.statistics()
+    assert {"embedder", "encoder", "pooling"} <= set(stats)
+    for model in ("encoder", "pooling"):
+        s = stats[model]
+        assert s["success_count"] > 0 and s["compute_infer_ns"] > 0 and s["queue_ns"] >= 0
+
+
+async def test_batch_over_max_is_invalid_input(triton_server: TritonServer, manifest: Manifest,
+                                               backend: TritonBackend) -> None:
+    ids = np.full((300, 16), 1000, dtype=np.int64)
+    big = TokenBatch(ids, np.ones_like(ids), np.zeros_like(ids))
+    with pytest.raises(InvalidInput, match="over the backend maximum"):
+        await backend.embed(big)
+    # The server enforces its own max_batch_size too, mapped to the same error type.
+    loose = TritonBackend([triton_server.grpc_url], manifest, max_batch=1000, timeout_s=10.0)
+    await loose.start()
+    try:
+        with pytest.raises(InvalidInput):
+            await loose.embed(big)
+    finally:
+        await loose.close()
+
+
+async def test_malformed_requests_are_invalid_input(triton_server: TritonServer, backend: TritonBackend) -> None:
+    ids = np.ones((2, 16), dtype=np.int64)
+    with pytest.raises(InvalidInput, match="malformed"):
+        await backend.embed(TokenBatch(ids, np.ones((2, 8), dtype=np.int64), None))
+    # A request the server itself rejects (wrong datatype) maps to InvalidInput as well.
+    import tritonclient.grpc.aio as grpcclient
+
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    try:
+        inputs = []
+        for name in ("input_ids", "attention_mask", "token_type_ids"):
+            inp = grpcclient.InferInput(name, [1, 16], "FP32")
+            inp.set_data_from_numpy(np.ones((1, 16), dtype=np.float32))
+            inputs.append(inp)
+        with pytest.raises(Exception) as info:
+            await client.infer("embedder", inputs, client_timeout=10.0)
+        assert isinstance(map_error(info.value, triton_server.grpc_url), InvalidInput)
+    finally:
+        await client.close()
+
+
+async def test_deadline_is_enforced(backend: TritonBackend, tokenizer: QueryTokenizer) -> None:
+    batch = tokenizer.batch(tokenizer.encode(["a much longer query about frozen vegetables"]).ids, length=256)
+    with pytest.raises(DeadlineExceeded):
+        await backend.embed(batch, timeout_s=1e-4)
+    assert (await backend.embed(batch)).shape == (1, backend.dim)  # the channel is fine afterwards
+
+
+def test_unrunnable_binary_is_one_clear_line(tmp_path: Path) -> None:
+    from inference.triton.launcher import _binary_runs
+
+    binary = tmp_path / "bin" / "tritonserver"
+    binary.parent.mkdir()
+    binary.write_text("#!/bin/sh\n"
+                      "echo 'tritonserver: error while loading shared libraries: libdcgm.so.3' >&2\nexit 127\n")
+    binary.chmod(0o755)
+    reason = _binary_runs(tmp_path, "use the embedded backend")
+    assert reason is not None and "\n" not in reason
+    assert "libdcgm.so.3" in reason and "embedded backend" in reason
+
+
+async def test_start_without_server_is_unavailable(manifest: Manifest) -> None:
+    b = TritonBackend([f"127.0.0.1:{free_port()}"], manifest, timeout_s=1.0)
+    try:
+        with pytest.raises(Unavailable):
+            await b.start()
+        assert not b.ready()
+    finally:
+        await b.close()
+
+
+async def test_dead_url_is_steered_around(triton_server: TritonServer, manifest: Manifest,
+                                          tokenizer: QueryTokenizer) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    b = TritonBackend([dead, triton_server.grpc_url], manifest, timeout_s=5.0)
+    await b.start()
+    try:
+        batch = tokenizer.batch(tokenizer.encode(["rice"]).ids)
+        for _ in range(4):
+            assert (await b.embed(batch)).shape == (1, manifest.dim)
+        assert b.ready()
+    finally:
+        await b.close()
+
+
+# --- faults: a private server, so the shared one stays up for other tests -------------------------
+@pytest.fixture(scope="module")
+def own_server(settings: Settings, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[TritonServer]:
+    reason = triton_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    # int8 here, so the selectable variant is covered without a third server.
+    server = TritonServer(triton_settings(settings, tmp_path_factory.mktemp("triton-faults")), variant="int8")
+    server.start()
+    yield server
+    server.stop()
+
+
+async def test_int8_variant_serves_its_own_model(own_server: TritonServer, manifest: Manifest, model_dir: Path,
+                                                 tokenizer: QueryTokenizer) -> None:
+    if "int8" not in manifest.variants:
+        pytest.skip("the model has no int8 variant")
+    b = TritonBackend([own_server.grpc_url], manifest, variant="int8", timeout_s=10.0)
+    await b.start()
+    ref = OnnxBackend(model_dir, manifest, variant="int8", threads=1)
+    try:
+        batch = tokenizer.batch(tokenizer.encode(TEXTS).ids)
+        assert b.version_id == ref.version_id == manifest.variant_id("int8")
+        assert _cos(await b.embed(batch), ref.embed_sync(batch)).min() >= 0.9999
+    finally:
+        await b.close()
+        await ref.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    out = subprocess.run(["ps", "-o", "pid=", "-g", str(pgid)], capture_output=True, text=True).stdout
+    return bool(out.strip())
+
+
+async def test_kill_gives_unavailable_then_recovers(own_server: TritonServer, manifest: Manifest,
+                                                    tokenizer: QueryTokenizer) -> None:
+    b = TritonBackend([own_server.grpc_url], manifest, timeout_s=5.0, probe_interval_s=0.2)
+    await b.start()
+    batch = tokenizer.batch(tokenizer.encode(["apples"]).ids)
+    try:
+        await b.embed(batch)
+        pgid = own_server.pid
+        assert pgid is not None
+        own_server.kill()
+        assert not _group_alive(pgid), "stub processes survived the kill"
+        # Unavailable, not DeadlineExceeded: a dead server fails fast instead of hanging to the deadline.
+        with pytest.raises(Unavailable):
+            await b.embed(batch)
+        assert not b.ready()
+        await asyncio.to_thread(own_server.start)  # same ports
+        for _ in range(100):
+            if b.ready():
+                break
+            await asyncio.sleep(0.1)
+        assert b.ready()
+        assert (await b.embed(batch)).shape == (1, manifest.dim)
+    finally:
+        await b.close()
+
+
+def test_stop_leaves_no_stub_processes(own_server: TritonServer) -> None:
+    if not own_server.running():
+        own_server.start()
+    pgid = own_server.pid
+    assert pgid is not None and _group_alive(pgid)
+    own_server.stop()
+    assert not _group_alive(pgid)
+    assert not list(Path("/dev/shm").glob(f"embedcar_*_{own_server.grpc_port}_*"))
+
+
+def test_cli_serve_stops_cleanly_on_sigterm(settings: Settings, tmp_path: Path) -> None:
+    if triton_unavailable_reason():
+        pytest.skip(str(triton_unavailable_reason()))
+    env = {**os.environ, "EMBEDCAR_MODEL_MODELS_DIR": str(settings.model.models_dir),
+           "EMBEDCAR_TRITON_REPO_DIR": str(tmp_path / "repo"), "EMBEDCAR_TRITON_BACKEND_DIR": str(tmp_path / "be")}
+    cmd = [sys.executable, "-m", "inference.cli_main", "triton", "serve",
+           "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("Triton ready"):
+                break
+        assert lines and lines[-1].startswith("Triton ready"), "".join(lines)
+        server = subprocess.run(["pgrep", "-P", str(proc.pid), "tritonserver"], capture_output=True, text=True)
+        pgid = int(server.stdout.split()[0])
+        assert _group_alive(pgid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not _group_alive(pgid), "tritonserver or a stub outlived `embedcar triton serve`"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
