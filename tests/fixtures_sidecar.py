@@ -1,1 +1,90 @@
-"""pytest fixtures for the sidecar tests (loaded by tests/conftest.py)."""
+"""pytest fixtures for the sidecar tests (loaded by tests/conftest.py).
+
+Sidecars run on their own event loop in a background thread (`SidecarThread`), so tests can use
+the sync client, or an async client on the test's own loop, against a real gRPC server on a free
+127.0.0.1 port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from inference.backends.base import Backend, Embeddings
+from inference.backends.onnx import OnnxBackend
+from inference.errors import Unavailable
+from inference.settings import Settings
+from inference.tokenizer import TokenBatch
+from sidecar.app import Sidecar, SidecarThread
+from sidecar.client import Client
+
+
+def sidecar_settings(settings: Settings, **changes: Any) -> Settings:
+    """Test settings: loopback, free ports, generous limits unless a test sets its own."""
+    base: dict[str, Any] = {"host": "127.0.0.1", "grpc_port": 0, "http_port": 0, "rate_per_s": 1e6,
+                            "burst": 1_000_000, "health_poll_s": 0.2, "grace_s": 1.0,
+                            # the box is shared with other test runs: correctness tests must not
+                            # trip deadlines meant for production latency
+                            "default_deadline_ms": 60_000}
+    return settings.with_section("sidecar", **(base | changes))
+
+
+@pytest.fixture(scope="session")
+def sidecar_embedded(settings: Settings, model_dir: object) -> Iterator[Sidecar]:
+    """A started Sidecar with the embedded backend, gRPC + HTTP on free ports, no API keys."""
+    with SidecarThread(sidecar_settings(settings)) as sc:
+        yield sc
+
+
+@pytest.fixture(scope="session")
+def sidecar_client(sidecar_embedded: Sidecar) -> Iterator[Client]:
+    with Client(sidecar_embedded.grpc_target) as c:
+        yield c
+
+
+class ProbeBackend(Backend):
+    """The real ORT backend behind a switchboard: counts calls, can hold them, or act as down.
+
+    Used where a test must observe what reaches the backend (deadlines, single-flight, faults);
+    the embeddings still come from real ONNX Runtime.
+    """
+
+    name = "embedded"  # goes through the sidecar's micro-batcher like the real one
+
+    def __init__(self, inner: OnnxBackend) -> None:
+        self.inner = inner
+        self.version_id = inner.version_id
+        self.dim = inner.dim
+        self.max_batch = inner.max_batch
+        self.calls = 0
+        self.rows = 0
+        self.hold = threading.Event()
+        self.hold.set()  # set = let calls through
+        self.down = False
+
+    async def start(self) -> None:
+        return None
+
+    async def embed(self, batch: TokenBatch, *, timeout_s: float | None = None) -> Embeddings:
+        if self.down:
+            raise Unavailable("probe backend is down")
+        self.calls += 1
+        self.rows += batch.shape[0]
+        if not self.hold.is_set():  # a threading.Event: the test thread opens it
+            await asyncio.to_thread(self.hold.wait, 30)
+        return await self.inner.embed(batch)
+
+    def ready(self) -> bool:
+        return not self.down
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.fixture
+def probe_backend(onnx_backend: OnnxBackend) -> ProbeBackend:
+    return ProbeBackend(onnx_backend)

@@ -1,0 +1,1 @@
+"""The embedding sidecar: localhost gRPC (and an HTTP facade) in front of an embedding backend."""

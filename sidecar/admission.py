@@ -1,0 +1,80 @@
+"""Admission control: say no early instead of queueing work that cannot meet its deadline.
+
+A backend call costs about `s_per_call + s_per_token * B * L` (B x L padded tokens): the fixed
+part is measured at start-up, the per-token part is an exponential moving average over finished
+calls. Outstanding work (queued + running) priced that way estimates the drain time. A
+request is rejected when it cannot finish before its deadline or when the queue is full; a request
+whose deadline already passed never reaches the backend.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from inference.errors import DeadlineExceeded, Overloaded
+
+
+@dataclass(slots=True)
+class Ticket:
+    items: int
+    tokens: int
+
+
+class Admission:
+    def __init__(self, *, max_outstanding_items: int, s_per_token: float = 1e-4, s_per_call: float = 0.0,
+                 alpha: float = 0.2) -> None:
+        self.max_outstanding_items = max_outstanding_items
+        self.s_per_token = s_per_token
+        self.s_per_call = s_per_call
+        self.alpha = alpha
+        self.outstanding_items = 0
+        self.outstanding_tokens = 0
+
+    def calibrate(self, small: tuple[int, float], large: tuple[int, float]) -> None:
+        """Fit the fixed and per-token cost from two timed calls: (padded tokens, seconds) each."""
+        (t1, s1), (t2, s2) = small, large
+        per_token = (s2 - s1) / (t2 - t1) if t2 > t1 else s2 / max(t2, 1)
+        self.s_per_token = max(per_token, 1e-7)
+        self.s_per_call = max(s1 - self.s_per_token * t1, 0.0)
+
+    def observe(self, tokens: int, elapsed_s: float) -> None:
+        """One finished backend call of `tokens` padded tokens took `elapsed_s`."""
+        if tokens > 0 and elapsed_s > 0:
+            sample = max(elapsed_s - self.s_per_call, 0.0) / tokens
+            self.s_per_token += self.alpha * (sample - self.s_per_token)
+
+    def cost_s(self, tokens: int) -> float:
+        return self.s_per_call + tokens * self.s_per_token
+
+    def drain_s(self) -> float:
+        return self.outstanding_tokens * self.s_per_token + (self.s_per_call if self.outstanding_tokens else 0.0)
+
+    def admit(self, items: int, tokens: int, deadline: float | None, *, now: float | None = None) -> Ticket:
+        """Reserve room for `items` texts of `tokens` padded tokens, or raise.
+
+        `deadline` is on the time.monotonic() clock (None = no deadline).
+        """
+        own = self.cost_s(tokens)
+        drain = self.drain_s()
+        if deadline is not None:
+            left = deadline - (time.monotonic() if now is None else now)
+            if left <= 0:
+                raise DeadlineExceeded("deadline expired before inference")
+            if own > left:
+                raise DeadlineExceeded(f"deadline leaves {left * 1e3:.2f} ms, inference needs about "
+                                       f"{own * 1e3:.2f} ms")
+            if drain + own > left:
+                raise Overloaded(f"queue drains in about {drain * 1e3:.1f} ms, after this request's deadline",
+                                 retry_after_s=drain)
+        if self.outstanding_items and self.outstanding_items + items > self.max_outstanding_items:
+            raise Overloaded(f"{self.outstanding_items} texts already queued (cap {self.max_outstanding_items})",
+                             retry_after_s=drain)
+        self.outstanding_items += items
+        self.outstanding_tokens += tokens
+        return Ticket(items, tokens)
+
+    def release(self, ticket: Ticket) -> None:
+        self.outstanding_items -= ticket.items
+        self.outstanding_tokens -= ticket.tokens
+        ticket.items = ticket.tokens = 0  # releasing twice is harmless

@@ -1,0 +1,319 @@
+"""The Sidecar: objects built in __init__ (no I/O), servers started in `start()`, graceful `stop()`.
+
+    async with Sidecar(settings) as sc:      # gRPC on sc.grpc_target, HTTP on sc.http_port
+        ...
+
+`SidecarThread` runs one on its own event loop in a background thread (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
+
+from grpc_health.v1._async import HealthServicer
+
+from inference.backends.base import Backend
+from inference.embedder import load_tokenizer
+from inference.errors import EmbedcarError, InvalidInput, Unavailable
+from inference.manifest import load_manifest
+from inference.settings import Settings
+from inference.tokenizer import TokenBatch
+from sidecar.admission import Admission
+from sidecar.auth import KeyRing, check_bind
+from sidecar.batcher import MicroBatcher
+from sidecar.cache import EmbeddingCache
+from sidecar.grpc_server import SERVICE, EmbedderServicer, create_server, health_status
+from sidecar.metrics import Metrics
+from sidecar.ratelimit import RateLimiter
+from sidecar.search_index import IndexHolder
+from sidecar.service import EmbedService, Runner, direct_runner
+
+if TYPE_CHECKING:
+    import grpc
+    import uvicorn
+
+    from catalog.index import ProductIndex
+
+log = logging.getLogger(__name__)
+
+
+def build_backend(settings: Settings) -> Backend:
+    """The backend settings.sidecar.backend names: embedded ORT, or a Triton client (imported lazily)."""
+    m = settings.model
+    manifest = load_manifest(m.model_dir)
+    kind = settings.sidecar.backend
+    if kind == "embedded":
+        from inference.backends.onnx import OnnxBackend
+
+        return OnnxBackend(m.model_dir, manifest, variant=m.variant, threads=m.intra_op_threads,
+                           max_batch=m.max_batch)
+    if kind == "triton":
+        from inference.backends.triton import TritonBackend
+
+        return TritonBackend.from_settings(settings, manifest)
+    raise InvalidInput(f"unknown sidecar backend {kind!r}: expected embedded or triton")
+
+
+class Sidecar:
+    def __init__(self, settings: Settings, *, backend: Backend | None = None,
+                 index: ProductIndex | None = None) -> None:
+        s = settings.sidecar
+        self.settings = settings
+        self.keys = KeyRing.from_settings(s)
+        check_bind(s.host, self.keys)
+        model_dir = settings.model.model_dir
+        self.manifest = load_manifest(model_dir)
+        self._owns_backend = backend is None
+        self.backend = backend if backend is not None else build_backend(settings)
+        self.tokenizer = load_tokenizer(model_dir, self.manifest, max_text_chars=settings.model.max_text_chars)
+        self.metrics = Metrics()
+        hosts = max(1, len(settings.triton.urls)) if s.backend == "triton" else 1
+        self.admission = Admission(max_outstanding_items=(s.max_pending_batches + 1) * s.batch_max_items * hosts)
+        self.cache = EmbeddingCache(self.backend.version_id, s.cache_entries, s.cache_ttl_s)
+        self.batcher: MicroBatcher | None = None
+        runner: Runner
+        if self.backend.name == "embedded":
+            # No Triton to batch for us: merge what queues up per bucket into one forward pass.
+            self.batcher = MicroBatcher(self.backend, self.tokenizer, max_items=s.batch_max_items,
+                                        wait_us=s.batch_wait_us, on_batch=self._on_batch)
+            runner = self.batcher.submit
+        else:
+            runner = direct_runner(self.backend, self.tokenizer, self.admission, self.metrics)
+        self.index = IndexHolder(index, index_root=s.index_dir, expected_model_id=self.backend.version_id,
+                                 poll_s=s.index_poll_s, catalog=settings.catalog)
+        self.service = EmbedService(settings, tokenizer=self.tokenizer, backend=self.backend,
+                                    lowercase=self.manifest.lowercase, keys=self.keys,
+                                    limiter=RateLimiter(s.rate_per_s, s.burst), cache=self.cache,
+                                    admission=self.admission, metrics=self.metrics, runner=runner, index=self.index)
+        self.grpc_port = 0
+        self.http_port: int | None = None
+        self.serving = False
+        self._health: HealthServicer | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._http: uvicorn.Server | None = None
+        self._http_task: asyncio.Task[None] | None = None
+        self._monitor: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._probe = self._probe_batch()
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def _on_batch(self, rows: int, length: int, seconds: float) -> None:
+        self.admission.observe(rows * length, seconds)
+        self.metrics.batch_size.observe(rows)
+
+    def _probe_batch(self) -> TokenBatch:
+        enc = self.tokenizer.encode(["health probe"])
+        return self.tokenizer.batch(enc.ids)
+
+    # --- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop(grace_s=0)  # no half-started server left holding its ports
+            raise
+
+    async def _start(self) -> None:
+        s = self.settings.sidecar
+        self._health = HealthServicer()
+        await self._set_health(False)  # NOT_SERVING until the backend is warm
+        servicer = EmbedderServicer(self.service, self.metrics)
+        self._grpc, self.grpc_port = create_server(s, servicer, self._health)
+        await self._grpc.start()
+        if s.http_port >= 0:
+            await self._start_http(s.host, s.http_port, s.max_message_bytes)
+        if not self.backend.ready():
+            await self.backend.start()
+        await self._calibrate()
+        if self.batcher is not None:
+            self.batcher.start()
+        loop = asyncio.get_running_loop()
+        self.service.on_backend_down = lambda: self._spawn(self._set_health(False))
+        await self.index.start()
+        if s.warm_queries_file is not None:
+            await self.warm_cache(s.warm_queries_file)
+        self.service.mark_backend(True)
+        await self._set_health(True)
+        self._monitor = loop.create_task(self._watch_backend(), name="backend-health")
+        log.info("sidecar serving model %s on grpc %s:%d, http %s", self.service.model, s.host, self.grpc_port,
+                 self.http_port if self.http_port is not None else "off")
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        grace = self.settings.sidecar.grace_s if grace_s is None else grace_s
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+            self.serving = False
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+            self._monitor = None
+        if self._grpc is not None:
+            await self._grpc.stop(grace)  # refuses new calls, lets in-flight ones finish within `grace`
+            self._grpc = None
+        if self._http is not None and self._http_task is not None:
+            self._http.should_exit = True
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._http_task, grace + 1)
+            self._http = self._http_task = None
+        if self.batcher is not None:
+            await self.batcher.close()
+        await self.index.close()
+        if self._owns_backend:
+            await self.backend.close()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.stop()
+
+    # --- pieces ------------------------------------------------------------------------------
+    async def _start_http(self, host: str, port: int, max_bytes: int) -> None:
+        import uvicorn
+
+        from sidecar.http_api import create_app
+
+        app = create_app(self.service, self.metrics, max_body_bytes=max_bytes, serving=lambda: self.serving)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(512)
+        sock.setblocking(False)
+        self.http_port = int(sock.getsockname()[1])
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                limit_concurrency=None, timeout_graceful_shutdown=int(self.settings.sidecar.grace_s))
+        self._http = uvicorn.Server(config)
+        self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]), name="http")
+        # uvicorn offers no "started" event to await.
+        while not self._http.started and not self._http_task.done():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        if self._http_task.done():
+            self._http_task.result()
+
+    async def _calibrate(self) -> None:
+        """Seed the admission cost model with two timed calls, so the first requests are judged fairly."""
+        samples = []
+        for batch in (self._probe, self._probe_large()):
+            best = float("inf")
+            for _ in range(3):  # the first call of a new shape pays for ORT's allocations
+                t0 = time.perf_counter()
+                await self.backend.embed(batch, timeout_s=30.0)
+                best = min(best, time.perf_counter() - t0)
+            samples.append((int(batch.input_ids.size), best))
+        self.admission.calibrate(samples[0], samples[1])
+
+    def _probe_large(self) -> TokenBatch:
+        rows = min(8, self.settings.sidecar.batch_max_items, self.backend.max_batch)
+        length = self.tokenizer.buckets[min(2, len(self.tokenizer.buckets) - 1)]
+        return self.tokenizer.batch(self._probe.input_ids[:1, :3].tolist() * rows, length=length)
+
+    async def warm_cache(self, path: Path) -> int:
+        """Pre-load the cache with the queries in `path` (one per line); returns how many."""
+        try:
+            text = await asyncio.to_thread(path.read_text)
+            queries = [q.strip() for q in text.splitlines() if q.strip()]
+        except OSError as exc:
+            raise InvalidInput(f"cannot read warm queries file {path}: {exc.strerror}") from exc
+        step = self.settings.sidecar.batch_max_items
+        for i in range(0, len(queries), step):
+            await self.service.embed(queries[i:i + step], authenticated=True, deadline=time.monotonic() + 60)
+        log.info("cache warmed with %d queries", len(queries))
+        return len(queries)
+
+    async def _set_health(self, serving: bool) -> None:
+        self.serving = serving
+        if self._health is not None:
+            status = health_status(serving)
+            await self._health.set("", status)
+            await self._health.set(SERVICE, status)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch_backend(self) -> None:
+        """While up: trust the backend's ready(). While down: probe it until it answers again."""
+        poll = self.settings.sidecar.health_poll_s
+        while True:
+            await asyncio.sleep(poll)
+            if self.service.backend_up:
+                if not self.backend.ready():
+                    self.service.mark_backend(False)
+            else:
+                try:
+                    await self.backend.embed(self._probe, timeout_s=max(poll * 2, 0.5))
+                except EmbedcarError:
+                    pass
+                else:
+                    self.service.mark_backend(True)
+                    log.info("backend %s is back", self.backend.name)
+            if self.service.backend_up != self.serving:
+                await self._set_health(self.service.backend_up)
+
+
+class SidecarThread:
+    """A Sidecar on its own event loop in a daemon thread: `with SidecarThread(settings) as sc:`."""
+
+    def __init__(self, settings: Settings, *, backend: Backend | None = None,
+                 index: ProductIndex | None = None) -> None:
+        self._args = (settings, backend, index)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sidecar", daemon=True)
+        self.sidecar: Sidecar | None = None
+
+    def call(self, coro: Any, timeout: float = 120.0) -> Any:
+        """Run `coro` on the sidecar's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def __enter__(self) -> Sidecar:
+        self._thread.start()
+        settings, backend, index = self._args
+
+        async def make() -> Sidecar:
+            sc = Sidecar(settings, backend=backend, index=index)
+            await sc.start()
+            return sc
+
+        try:
+            self.sidecar = self.call(make())
+        except BaseException:
+            self._shutdown()
+            raise
+        assert self.sidecar is not None
+        return self.sidecar
+
+    def __exit__(self, *exc: object) -> None:
+        if self.sidecar is not None:
+            self.call(self.sidecar.stop(grace_s=1.0))
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+@contextlib.contextmanager
+def running(settings: Settings, **kw: Any) -> Iterator[Sidecar]:
+    with SidecarThread(settings, **kw) as sc:
+        yield sc
+
+
+__all__ = ["Sidecar", "SidecarThread", "Unavailable", "build_backend", "running"]

@@ -1,0 +1,113 @@
+"""API keys per tenant: stored only as SHA-256 digests, compared in constant time, never logged."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+from collections.abc import Mapping
+from pathlib import Path
+
+from inference.errors import InvalidInput, Unauthenticated
+from inference.settings import SidecarSettings
+
+ANONYMOUS = "anonymous"
+_SHA_PREFIX = "sha256:"
+
+
+def digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class KeyRing:
+    """tenant -> key digest. Empty ring = auth off (every caller is `anonymous`)."""
+
+    def __init__(self, digests: Mapping[str, bytes]) -> None:
+        self._entries = tuple((tenant, d) for tenant, d in digests.items())
+
+    def __repr__(self) -> str:  # never show digests either
+        return f"KeyRing(tenants={[t for t, _ in self._entries]})"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._entries)
+
+    @property
+    def tenants(self) -> list[str]:
+        return [t for t, _ in self._entries]
+
+    def tenant_for(self, key: str | None) -> str:
+        """The tenant owning `key`, or Unauthenticated. Compares against every entry, always."""
+        if not self._entries:
+            return ANONYMOUS
+        if not key:
+            raise Unauthenticated("missing API key (send metadata x-api-key)")
+        d = digest(key)
+        found: str | None = None
+        for tenant, stored in self._entries:
+            if hmac.compare_digest(d, stored) and found is None:
+                found = tenant
+        if found is None:
+            raise Unauthenticated("wrong API key")
+        return found
+
+    @classmethod
+    def from_settings(cls, s: SidecarSettings) -> KeyRing:
+        digests: dict[str, bytes] = {}
+        for n, pair in enumerate(p.strip() for p in s.api_keys.split(",")):
+            if not pair:
+                continue
+            tenant, sep, key = pair.partition("=")
+            if not sep or not tenant.strip() or not key.strip():
+                raise InvalidInput(f"api_keys entry {n + 1} is not tenant=key")
+            digests[tenant.strip()] = _parse_key(key.strip())
+        if s.api_keys_file is not None:
+            digests.update(parse_keys_file(s.api_keys_file))
+        return cls(digests)
+
+
+def _parse_key(value: str) -> bytes:
+    if value.startswith(_SHA_PREFIX):
+        try:
+            raw = bytes.fromhex(value[len(_SHA_PREFIX):])
+        except ValueError as exc:
+            raise InvalidInput("a sha256: key entry is not hex") from exc
+        if len(raw) != 32:
+            raise InvalidInput("a sha256: key entry is not 64 hex digits")
+        return raw
+    return digest(value)
+
+
+def parse_keys_file(path: Path) -> dict[str, bytes]:
+    """Lines `tenant key` or `tenant sha256:<hex>`; `#` comments and blank lines ignored."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise InvalidInput(f"cannot read API keys file {path}: {exc.strerror}") from exc
+    out: dict[str, bytes] = {}
+    for n, line in enumerate(lines, 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            # Say which line, never what it holds: it may be a key.
+            raise InvalidInput(f"{path}:{n}: expected `tenant key`")
+        out[parts[0]] = _parse_key(parts[1])
+    return out
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, keys: KeyRing) -> None:
+    """Refuse to listen beyond this machine without API keys."""
+    if not is_loopback(host) and not keys.enabled:
+        raise InvalidInput(f"refusing to bind {host} without API keys: set EMBEDCAR_SIDECAR_API_KEYS "
+                           "or EMBEDCAR_SIDECAR_API_KEYS_FILE, or bind 127.0.0.1")

@@ -1,0 +1,151 @@
+"""Micro-batcher for the embedded backend: per length bucket, one forward pass for what is queued.
+
+There is no Triton to batch for the embedded backend, so the sidecar does it: requests of the same
+bucket that queue up while a forward pass runs are merged into the next one. At low traffic it does
+not wait for company (DESIGN: a fixed batching wait is the largest single cost at typeahead
+traffic); it waits up to `wait_us` only while arrivals are denser than that wait, i.e. when
+waiting is likely to fill the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from inference.backends.base import Backend, Embeddings
+from inference.errors import DeadlineExceeded, EmbedcarError, Internal, Unavailable
+from inference.tokenizer import QueryTokenizer
+
+# (embeddings [n, dim], queue ns, inference ns)
+Result = tuple[Embeddings, int, int]
+
+
+@dataclass(slots=True)
+class _Item:
+    ids: list[list[int]]
+    deadline: float | None
+    fut: asyncio.Future[Result]
+    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+
+
+class MicroBatcher:
+    def __init__(self, backend: Backend, tokenizer: QueryTokenizer, *, max_items: int, wait_us: int,
+                 on_batch: Callable[[int, int, float], None] | None = None) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.max_items = max(1, min(max_items, backend.max_batch))
+        self.wait_s = max(wait_us, 0) * 1e-6
+        self.on_batch = on_batch  # (rows, padded length, seconds) after each forward pass
+        self._queues: dict[int, deque[_Item]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._last_arrival = 0.0
+        self._gap_s = float("inf")  # EMA of the time between submissions
+        self.batches = 0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="micro-batcher")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for q in self._queues.values():
+            while q:
+                item = q.popleft()
+                if not item.fut.done():
+                    item.fut.set_exception(Unavailable("sidecar is shutting down"))
+
+    async def submit(self, bucket: int, ids: list[list[int]], deadline: float | None) -> Result:
+        """Embed `ids` (all in `bucket`, at most max_items) in the next forward pass of that bucket."""
+        if self._task is None:
+            raise Unavailable("micro-batcher is not running")
+        now = time.monotonic()
+        gap = now - self._last_arrival
+        self._last_arrival = now
+        self._gap_s = gap if self._gap_s == float("inf") else self._gap_s + 0.2 * (gap - self._gap_s)
+        item = _Item(ids, deadline, asyncio.get_running_loop().create_future())
+        self._queues.setdefault(bucket, deque()).append(item)
+        self._wake.set()
+        return await item.fut
+
+    def _oldest_bucket(self) -> int | None:
+        best: int | None = None
+        best_t = 0
+        for b, q in self._queues.items():
+            if q and (best is None or q[0].enqueued_ns < best_t):
+                best, best_t = b, q[0].enqueued_ns
+        return best
+
+    def _rows(self, q: deque[_Item]) -> int:
+        return sum(len(i.ids) for i in q)
+
+    async def _run(self) -> None:
+        while True:
+            bucket = self._oldest_bucket()
+            if bucket is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            q = self._queues[bucket]
+            if self.wait_s and self._gap_s < self.wait_s and self._rows(q) < self.max_items:
+                await asyncio.sleep(self.wait_s)  # dense traffic: a short wait likely fills the batch
+            items = self._take(q)
+            if items:
+                await self._forward(bucket, items)
+
+    def _take(self, q: deque[_Item]) -> list[_Item]:
+        """Up to max_items rows from the head of `q`; expired or abandoned items are dropped here."""
+        out: list[_Item] = []
+        rows = 0
+        now = time.monotonic()
+        while q and (not out or rows + len(q[0].ids) <= self.max_items):
+            item = q.popleft()
+            if item.fut.done():  # the caller went away (cancelled)
+                continue
+            if item.deadline is not None and item.deadline <= now:
+                item.fut.set_exception(DeadlineExceeded("deadline expired while queued"))
+                continue
+            out.append(item)
+            rows += len(item.ids)
+        return out
+
+    async def _forward(self, bucket: int, items: list[_Item]) -> None:
+        start = time.perf_counter_ns()
+        rows = [seq for item in items for seq in item.ids]
+        try:
+            batch = self.tokenizer.batch(rows, length=bucket)
+            emb = await self.backend.embed(batch)
+        except EmbedcarError as exc:
+            self._fail(items, exc)
+            return
+        except Exception as exc:  # a bug below us must not kill the batcher
+            self._fail(items, Internal(f"backend failed: {exc}"))
+            return
+        end = time.perf_counter_ns()
+        self.batches += 1
+        if self.on_batch is not None:
+            self.on_batch(len(rows), bucket, (end - start) * 1e-9)
+        infer_ns = end - start
+        offset = 0
+        for item in items:
+            n = len(item.ids)
+            if not item.fut.done():
+                item.fut.set_result((np.ascontiguousarray(emb[offset:offset + n]),
+                                     start - item.enqueued_ns, infer_ns))
+            offset += n
+
+    @staticmethod
+    def _fail(items: list[_Item], exc: EmbedcarError) -> None:
+        for item in items:
+            if not item.fut.done():
+                item.fut.set_exception(exc)

@@ -1,0 +1,138 @@
+"""gRPC layer: bytes <-> messages, metadata -> api key and deadline, project errors -> status codes.
+
+Requests are parsed here rather than by grpc so that undecodable bytes, invalid UTF-8 and unknown
+fields become INVALID_ARGUMENT with a message instead of a generic failure.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+from google.protobuf import unknown_fields
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from inference.errors import EmbedcarError, Internal, InvalidInput
+from inference.settings import SidecarSettings
+from sidecar.errors import RETRY_AFTER_KEY, grpc_code
+from sidecar.metrics import Metrics
+from sidecar.proto import embedcar_pb2 as pb
+from sidecar.service import EmbedService
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
+API_KEY = "x-api-key"
+_F16 = "<f2"
+_F32 = "<f4"
+
+
+def _parse(cls: type[Any], raw: bytes) -> Any:
+    try:
+        msg = cls.FromString(raw)
+    except DecodeError as exc:
+        raise InvalidInput(f"request is not a valid {cls.DESCRIPTOR.full_name} (bad bytes or invalid UTF-8)") from exc
+    if len(unknown_fields.UnknownFieldSet(msg)):
+        raise InvalidInput(f"request has fields unknown to {cls.DESCRIPTOR.full_name}: wrong proto version?")
+    return msg
+
+
+def _api_key(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
+    for item in context.invocation_metadata() or ():
+        if item[0] == API_KEY:
+            value = item[1]
+            return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+    return None
+
+
+def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
+    left = context.time_remaining()
+    return None if left is None else time.monotonic() + left
+
+
+class EmbedderServicer:
+    def __init__(self, service: EmbedService, metrics: Metrics) -> None:
+        self.service = service
+        self.metrics = metrics
+        # Label lookups cost ~15 µs each: bind the hot ones once.
+        self._ok_embed = metrics.requests.labels("embed", "ok")
+        self._ok_search = metrics.requests.labels("search", "ok")
+
+    async def embed(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        try:
+            req: pb.EmbedRequest = _parse(pb.EmbedRequest, raw)
+            out = await self.service.embed(req.texts, api_key=_api_key(context), deadline=_deadline(context))
+            emb = out.embeddings
+            if req.float16:
+                data, dtype = emb.astype(_F16).tobytes(), pb.FLOAT16
+            else:
+                data, dtype = emb.astype(_F32, copy=False).tobytes(), pb.FLOAT32
+            reply = pb.EmbedReply(embeddings=data, rows=emb.shape[0], dim=emb.shape[1], dtype=dtype,
+                                  model=self.service.model, cache_hits=out.cache_hits, truncated=out.truncated,
+                                  timings=pb.Timings(**out.timings_ns))
+        except EmbedcarError as exc:
+            await self._abort(context, "embed", exc)
+            raise  # unreachable: abort raises
+        except Exception as exc:  # a bug: report it as INTERNAL, never crash the server
+            await self._abort(context, "embed", Internal(f"unexpected error: {type(exc).__name__}"))
+            raise
+        self._ok_embed.inc()
+        self.metrics.observe_timings("embed", out.timings_ns)
+        return reply.SerializeToString()
+
+    async def search(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        try:
+            req: pb.SearchRequest = _parse(pb.SearchRequest, raw)
+            out = await self.service.search(req.texts, k=req.k, department=req.department, aisle=req.aisle,
+                                            api_key=_api_key(context), deadline=_deadline(context))
+            reply = pb.SearchReply(
+                results=[pb.HitList(hits=[pb.Hit(id=h.id, score=h.score, fields=h.fields) for h in hits])
+                         for hits in out.hits],
+                model=self.service.model, index_version=out.index_version, cache_hits=out.cache_hits,
+                timings=pb.Timings(**out.timings_ns))
+        except EmbedcarError as exc:
+            await self._abort(context, "search", exc)
+            raise
+        except Exception as exc:
+            await self._abort(context, "search", Internal(f"unexpected error: {type(exc).__name__}"))
+            raise
+        self._ok_search.inc()
+        self.metrics.observe_timings("search", out.timings_ns)
+        return reply.SerializeToString()
+
+    async def _abort(self, context: grpc.aio.ServicerContext[Any, Any], rpc: str, exc: EmbedcarError) -> None:
+        self.metrics.requests.labels(rpc, exc.code).inc()
+        trailer: tuple[tuple[str, str], ...] = ()
+        if exc.retry_after_s is not None:
+            trailer = ((RETRY_AFTER_KEY, f"{exc.retry_after_s:.4f}"),)
+        await context.abort(grpc_code(exc), exc.message, trailing_metadata=trailer)
+
+
+def create_server(settings: SidecarSettings, servicer: EmbedderServicer,
+                  health: HealthServicer) -> tuple[grpc.aio.Server, int]:
+    """A configured, unstarted server bound to settings.host:grpc_port (0 = free port)."""
+    limit = settings.max_message_bytes
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", max(limit, 64 * 1024 * 1024)),
+        ("grpc.so_reuseport", 0),
+    ])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+        # No (de)serializers: the servicer parses bytes itself (see module docstring).
+        "Embed": grpc.unary_unary_rpc_method_handler(servicer.embed),
+        "Search": grpc.unary_unary_rpc_method_handler(servicer.search),
+    }),))
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    host = settings.host
+    address = f"[{host}]:{settings.grpc_port}" if ":" in host else f"{host}:{settings.grpc_port}"
+    port = server.add_insecure_port(address)
+    return server, port
+
+
+def health_status(serving: bool) -> Any:
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+

@@ -1,0 +1,127 @@
+"""HTTP facade (FastAPI): OpenAI-compatible POST /v1/embeddings, GET /health, GET /metrics.
+
+Bodies are read and checked by hand (size cap, UTF-8, JSON types, unknown fields) so every bad
+request gets a 4xx with a message that says what was wrong.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from inference.errors import EmbedcarError, InvalidInput
+from sidecar.errors import http_status
+from sidecar.metrics import Metrics
+from sidecar.service import EmbedService
+
+ALLOWED_FIELDS = frozenset({"input", "model", "encoding_format", "user"})
+
+
+class PayloadTooLarge(InvalidInput):
+    """Body over the configured max message size (HTTP 413)."""
+
+
+def _error(exc: EmbedcarError) -> JSONResponse:
+    status = 413 if isinstance(exc, PayloadTooLarge) else http_status(exc)
+    headers = {"Retry-After": f"{max(1, round(exc.retry_after_s))}"} if exc.retry_after_s is not None else None
+    return JSONResponse({"error": {"message": exc.message, "type": exc.code}}, status_code=status, headers=headers)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes is over the limit of {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_embeddings_request(body: bytes) -> tuple[list[str], str]:
+    """(texts, encoding_format) from an OpenAI-style body, or InvalidInput saying what is wrong."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"request body is not valid UTF-8 (byte {exc.start})") from exc
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"request body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+    if not isinstance(doc, dict):
+        raise InvalidInput(f"request body must be a JSON object, got {type(doc).__name__}")
+    unknown = sorted(set(doc) - ALLOWED_FIELDS)
+    if unknown:
+        raise InvalidInput(f"unknown fields: {', '.join(unknown)} (allowed: {', '.join(sorted(ALLOWED_FIELDS))})")
+    if "input" not in doc:
+        raise InvalidInput("missing field `input` (a string or a list of strings)")
+    raw = doc["input"]
+    if isinstance(raw, str):
+        texts = [raw]
+    elif isinstance(raw, list) and all(isinstance(t, str) for t in raw):
+        texts = raw
+    else:
+        raise InvalidInput("`input` must be a string or a list of strings (token arrays are not supported)")
+    model = doc.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidInput("`model` must be a string")
+    fmt = doc.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise InvalidInput("`encoding_format` must be \"float\" or \"base64\"")
+    if "user" in doc and not isinstance(doc["user"], str):
+        raise InvalidInput("`user` must be a string")
+    return texts, fmt
+
+
+def _api_key(request: Request) -> str | None:
+    key = request.headers.get("x-api-key")
+    if key:
+        return key
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else None
+
+
+def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
+               serving: Callable[[], bool]) -> FastAPI:
+    app = FastAPI(title="embedcar sidecar", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        try:
+            texts, fmt = parse_embeddings_request(await _read_body(request, max_body_bytes))
+            out = await service.embed(texts, api_key=_api_key(request))
+        except EmbedcarError as exc:
+            metrics.requests.labels("http_embed", exc.code).inc()
+            return _error(exc)
+        metrics.requests.labels("http_embed", "ok").inc()
+        metrics.observe_timings("embed", out.timings_ns)
+        emb = out.embeddings
+        data: list[dict[str, Any]] = [
+            {"object": "embedding", "index": i,
+             "embedding": base64.b64encode(row.astype("<f4").tobytes()).decode() if fmt == "base64" else row.tolist()}
+            for i, row in enumerate(emb)
+        ]
+        n_tokens = sum(out.tokens)
+        return JSONResponse({"object": "list", "data": data, "model": service.model,
+                             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = serving()
+        return JSONResponse({"status": "SERVING" if ok else "NOT_SERVING", "model": service.model},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,93 @@
+"""The product index behind Search: opened lazily, hot-reloaded by polling, searched off the loop.
+
+catalog.index is imported lazily: a sidecar that only embeds does not need FAISS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from inference.errors import EmbedcarError, Internal
+from inference.settings import CatalogSettings
+
+if TYPE_CHECKING:
+    from catalog.index import Hit, ProductIndex
+
+log = logging.getLogger(__name__)
+
+
+class IndexHolder:
+    def __init__(self, index: ProductIndex | None = None, *, index_root: Path | None = None,
+                 expected_model_id: str | None = None, poll_s: float = 5.0,
+                 catalog: CatalogSettings | None = None) -> None:
+        self._index = index
+        self._root = index_root
+        self._expected = expected_model_id
+        self._poll_s = poll_s
+        self._catalog = catalog or CatalogSettings()
+        self._why = ("not opened yet" if index_root is not None else
+                     "this sidecar has no index_dir (set EMBEDCAR_SIDECAR_INDEX_DIR)")
+        # FAISS calls hold the GIL only briefly, but one flat search is ~3 ms: keep it off the loop.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="faiss")
+        self._task: asyncio.Task[None] | None = None
+
+    def current(self) -> ProductIndex | None:
+        return self._index
+
+    def reason(self) -> str:
+        return self._why
+
+    async def start(self) -> None:
+        if self._index is None and self._root is not None:
+            await self._try_open()
+        if self._root is not None or self._index is not None:
+            self._task = asyncio.get_running_loop().create_task(self._poll(), name="index-poll")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _try_open(self) -> None:
+        from catalog.index import ProductIndex
+
+        assert self._root is not None
+        root = self._root
+        try:
+            # Opening and reloading use their own thread: a big index takes seconds to load and
+            # searches of the version in service must go on meanwhile.
+            self._index = await asyncio.to_thread(
+                lambda: ProductIndex.from_settings(self._catalog, expected_model_id=self._expected, index_root=root))
+            log.info("serving product index %s (%d items) from %s", self._index.version, self._index.size, root)
+        except EmbedcarError as exc:
+            self._why = exc.message
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_s)
+            try:
+                if self._index is None:
+                    await self._try_open()
+                elif await asyncio.to_thread(self._index.maybe_reload):
+                    log.info("product index reloaded: version %s", self._index.version)
+            except Exception:  # keep serving the version we have
+                log.exception("product index reload failed")
+
+    async def search(self, index: ProductIndex, queries: np.ndarray, k: int, *, department: str | None,
+                     aisle: str | None) -> list[list[Hit]]:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._executor, lambda: index.search(queries, k, department=department, aisle=aisle))
+        except EmbedcarError:
+            raise
+        except Exception as exc:
+            raise Internal(f"index search failed: {exc}") from exc

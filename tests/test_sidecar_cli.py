@@ -1,0 +1,51 @@
+"""`embedcar sidecar serve` as a real process: serves, then exits cleanly on SIGTERM; cache warm-up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from inference.settings import Settings
+from sidecar.app import SidecarThread
+from sidecar.bench import free_port, wait_serving
+from sidecar.client import Client
+from tests.conftest import ROOT
+from tests.fixtures_sidecar import ProbeBackend, sidecar_settings
+
+
+@pytest.mark.slow
+def test_serve_until_sigterm(settings: Settings, tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "inference.cli_main", "sidecar", "serve", "--grpc-port", str(port),
+             "--http-port", "-1", "--models-dir", str(settings.model.models_dir), "--threads", "1"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={"EMBEDCAR_SIDECAR_API_KEYS": "t=serve-key-123",
+                                                                 "PATH": "/usr/bin:/bin"})
+        try:
+            wait_serving(f"127.0.0.1:{port}", proc, timeout_s=120)
+            with Client(f"127.0.0.1:{port}", api_key="serve-key-123") as c:
+                assert c.embed(["served"]).embeddings.shape == (1, 384)
+            proc.terminate()
+            assert proc.wait(60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log.read_text()
+    assert "sidecar ready" in text
+    assert "serve-key-123" not in text  # settings are logged with secrets redacted
+
+
+def test_cache_warm_up_from_file(settings: Settings, probe_backend: ProbeBackend, tmp_path: Path) -> None:
+    top = tmp_path / "top_queries.txt"
+    top.write_text("milk\nbananas\n\nfree range eggs\n")
+    with SidecarThread(sidecar_settings(settings, http_port=-1, warm_queries_file=top),
+                       backend=probe_backend) as sc, Client(sc.grpc_target) as c:
+        calls = probe_backend.calls
+        assert c.embed(["milk", "Bananas", "free range eggs"]).cache_hits == [True, True, True]
+        assert probe_backend.calls == calls

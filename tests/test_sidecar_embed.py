@@ -1,0 +1,135 @@
+"""Embed through a real sidecar (gRPC + HTTP on free ports, embedded ORT backend)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from inference.backends.onnx import OnnxBackend
+from inference.embedder import Embedder
+from inference.settings import Settings
+from inference.tokenizer import QueryTokenizer
+from sidecar.app import Sidecar, SidecarThread
+from sidecar.client import AsyncClient, Client
+from tests.fixtures_sidecar import ProbeBackend, sidecar_settings
+
+WORDS = ["organic", "oat", "milk", "whole", "grain", "bread", "free", "range", "eggs", "greek", "yogurt", "baby",
+         "spinach", "cheddar", "cheese", "sourdough", "loaf", "almond", "butter", "green", "tea", "dark",
+         "chocolate", "frozen", "peas", "basmati", "rice", "olive", "oil"]
+
+
+def texts_for_every_bucket(tokenizer: QueryTokenizer) -> list[str]:
+    """Queries whose token counts fall in every bucket, plus one past max_length (truncated)."""
+    out = []
+    for n_words in (1, 2, 3, 5, 8, 12, 20, 28, 40, 55, 90, 120, 200, 400):
+        out.append(" ".join(WORDS[(i * 7 + n_words) % len(WORDS)] for i in range(n_words)))
+    buckets = {tokenizer.batch(tokenizer.encode([t]).ids).shape[1] for t in out}
+    assert buckets == set(tokenizer.buckets), buckets
+    return out
+
+
+def reference(onnx_backend: OnnxBackend, tokenizer: QueryTokenizer, texts: list[str]) -> np.ndarray:
+    return asyncio.run(Embedder(tokenizer, onnx_backend).embed(texts)).embeddings
+
+
+def test_embed_equals_embedded_backend_across_buckets(sidecar_client: Client, onnx_backend: OnnxBackend,
+                                                      tokenizer: QueryTokenizer) -> None:
+    texts = texts_for_every_bucket(tokenizer)
+    ref = reference(onnx_backend, tokenizer, texts)
+    batch = sidecar_client.embed(texts)
+    assert batch.embeddings.shape == (len(texts), 384) and batch.embeddings.dtype == np.float32
+    assert batch.truncated[-1] and not any(batch.truncated[:-2])
+    assert batch.model == onnx_backend.version_id
+    one_by_one = np.stack([sidecar_client.embed([t]).embeddings[0] for t in texts])
+    for got in (batch.embeddings, one_by_one):
+        cos = np.sum(got * ref, axis=1)
+        assert cos.min() >= 0.9999, cos
+
+
+def test_cached_answer_equals_uncached(sidecar_client: Client) -> None:
+    text = "cold brew coffee concentrate 1l unsweetened"
+    first = sidecar_client.embed([text])
+    second = sidecar_client.embed([text])
+    variant = sidecar_client.embed(["  Cold brew COFFEE   concentrate 1l unsweetened "])  # same normalised form
+    assert first.cache_hits == [False] and second.cache_hits == [True] and variant.cache_hits == [True]
+    assert np.array_equal(first.embeddings, second.embeddings)
+    assert np.array_equal(first.embeddings, variant.embeddings)
+    assert second.timings_ns["inference"] == 0 and second.timings_ns["tokenize"] == 0
+    assert first.timings_ns["inference"] > 0
+    assert set(first.timings_ns) == {"auth", "cache", "tokenize", "queue", "inference", "search", "total"}
+
+
+def test_duplicates_in_one_request_and_float16(sidecar_client: Client) -> None:
+    r = sidecar_client.embed(["ripe avocado", "ripe avocado", "lime"])
+    assert np.array_equal(r.embeddings[0], r.embeddings[1])
+    h = sidecar_client.embed(["ripe avocado", "lime"], float16=True)
+    assert h.embeddings.dtype == np.float32
+    assert np.abs(h.embeddings - r.embeddings[1:]).max() < 1e-3
+
+
+async def test_async_client_and_single_flight(settings: Settings, probe_backend: ProbeBackend) -> None:
+    """Concurrent misses for one text share one inference; each caller gets the same answer."""
+    with SidecarThread(sidecar_settings(settings, http_port=-1), backend=probe_backend) as sc:
+        probe_backend.hold.clear()
+        before = probe_backend.rows
+        async with AsyncClient(sc.grpc_target) as c:
+            tasks = [asyncio.create_task(c.embed(["lemon sorbet"])) for _ in range(8)]
+            for _ in range(2000):  # until all 7 followers joined the leader's in-flight computation
+                if sc.metrics.singleflight_joins._value.get() >= 7 or any(t.done() for t in tasks):
+                    break
+                await asyncio.sleep(0.01)
+            probe_backend.hold.set()
+            results = await asyncio.gather(*tasks)
+        assert probe_backend.rows - before == 1
+        assert all(np.array_equal(r.embeddings, results[0].embeddings) for r in results)
+
+
+def test_http_embeddings_match_grpc(sidecar_embedded: Sidecar, sidecar_client: Client) -> None:
+    url = f"http://127.0.0.1:{sidecar_embedded.http_port}"
+    texts = ["penne pasta", "tomato passata 500g"]
+    grpc_emb = sidecar_client.embed(texts).embeddings
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": texts, "model": "whatever"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["model"] == sidecar_embedded.service.model
+    assert [d["index"] for d in body["data"]] == [0, 1]
+    assert np.allclose(np.array([d["embedding"] for d in body["data"]], dtype=np.float32), grpc_emb, atol=1e-6)
+    assert body["usage"]["prompt_tokens"] > 0
+    b64 = httpx.post(f"{url}/v1/embeddings", json={"input": "penne pasta", "encoding_format": "base64"}).json()
+    vec = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), dtype="<f4")
+    assert np.array_equal(vec, grpc_emb[0])
+
+
+def test_health_metrics_reflection(sidecar_embedded: Sidecar, sidecar_client: Client) -> None:
+    sidecar_client.embed(["sparkling water"])
+    sidecar_client.embed(["sparkling water"])
+    url = f"http://127.0.0.1:{sidecar_embedded.http_port}"
+    assert httpx.get(f"{url}/health").json()["status"] == "SERVING"
+    metrics = httpx.get(f"{url}/metrics").text
+    for name in ("embedcar_stage_seconds_bucket", "embedcar_cache_hits_total", "embedcar_batch_size_bucket",
+                 "embedcar_singleflight_joins_total"):
+        assert name in metrics
+    with grpc.insecure_channel(sidecar_embedded.grpc_target) as ch:
+        for service in ("", "embedcar.v1.Embedder"):
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        replies = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                 timeout=5))
+        names = {s.name for s in replies[0].list_services_response.service}
+        assert "embedcar.v1.Embedder" in names and "grpc.health.v1.Health" in names
+
+
+@pytest.mark.parametrize("n", [1, 64])
+def test_timings_are_consistent(sidecar_client: Client, n: int) -> None:
+    r = sidecar_client.embed([f"timing probe {n} item {i}" for i in range(n)])
+    t = r.timings_ns
+    assert t["total"] >= t["inference"] > 0
+    assert t["total"] >= t["auth"] + t["cache"] + t["tokenize"]

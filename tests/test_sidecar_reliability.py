@@ -1,0 +1,191 @@
+"""Auth, rate limits, overload, deadlines, backend faults and graceful stop, on real sidecars.
+
+The backend is the real ORT backend behind `ProbeBackend`, which counts what reaches it and can
+hold calls or play dead, so the assertions are about behaviour (what was called, what was
+refused, what the health service says), never about timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from inference.errors import DeadlineExceeded, InvalidInput, Overloaded, Unauthenticated, Unavailable
+from inference.settings import Settings
+from sidecar.app import Sidecar, SidecarThread
+from sidecar.client import AsyncClient, Client
+from tests.fixtures_sidecar import ProbeBackend, sidecar_settings
+
+KEY_A = "key-a-9f8e7d6c5b4a"
+KEY_B = "key-b-0a1b2c3d4e5f"
+
+
+def health(target: str) -> int:
+    with grpc.insecure_channel(target) as ch:
+        return int(health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status)
+
+
+def wait_for(cond: object, timeout: float = 20.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_auth_and_per_tenant_rate_limit(settings: Settings, probe_backend: ProbeBackend,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    s = sidecar_settings(settings, api_keys=f"shop-a={KEY_A},shop-b={KEY_B}", rate_per_s=0.01, burst=3)
+    with SidecarThread(s, backend=probe_backend) as sc:
+        with Client(sc.grpc_target) as anon, pytest.raises(Unauthenticated, match="missing"):
+            anon.embed(["milk"])
+        with Client(sc.grpc_target, api_key="key-c-wrong") as wrong, pytest.raises(Unauthenticated, match="wrong"):
+            wrong.embed(["milk"])
+        with Client(sc.grpc_target, api_key=KEY_A) as a, Client(sc.grpc_target, api_key=KEY_B) as b:
+            for _ in range(3):
+                a.embed(["milk"])
+            with pytest.raises(Overloaded, match="shop-a") as err:
+                a.embed(["milk"])
+            assert err.value.retry_after_s is not None and err.value.retry_after_s > 0
+            assert b.embed(["milk"]).embeddings.shape == (1, 384)  # shop-b has its own bucket
+        # Health needs no key.
+        assert health(sc.grpc_target) == health_pb2.HealthCheckResponse.SERVING
+        url = f"http://127.0.0.1:{sc.http_port}"
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.post(f"{url}/v1/embeddings", json={"input": "milk"}).status_code == 401
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": "milk"}, headers={"authorization": f"Bearer {KEY_B}"})
+        assert r.status_code == 200, r.text
+    for key in (KEY_A, KEY_B, "key-c-wrong"):
+        assert key not in caplog.text
+    assert KEY_A not in repr(s.describe())
+
+
+def test_non_loopback_bind_without_keys_is_refused(settings: Settings) -> None:
+    with pytest.raises(InvalidInput, match="without API keys"):
+        Sidecar(sidecar_settings(settings, host="0.0.0.0"))
+
+
+async def test_overload_rejects_excess_fast(settings: Settings, probe_backend: ProbeBackend) -> None:
+    """With the backend stalled, work beyond the queue cap is refused at once, not queued."""
+    s = sidecar_settings(settings, http_port=-1, batch_max_items=4, max_pending_batches=1)  # cap: 8 texts
+    with SidecarThread(s, backend=probe_backend) as sc:
+        probe_backend.hold.clear()
+        async with AsyncClient(sc.grpc_target) as c:
+            tasks = [asyncio.create_task(c.embed([f"overload query {i}"], timeout_s=60)) for i in range(30)]
+            for _ in range(400):  # until the 22 beyond the cap are answered (the 8 admitted hang)
+                if sum(t.done() for t in tasks) >= 22:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)  # room for a wrongly admitted 23rd to show up
+            # Everything that finished while the backend was stalled was a rejection.
+            early = [t.exception() for t in tasks if t.done()]
+            probe_backend.hold.set()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert len(early) == 22 and all(isinstance(e, Overloaded) for e in early), early
+        ok = [r for r in results if not isinstance(r, BaseException)]
+        assert len(ok) == 8
+        assert sc.metrics.rejections.labels("admission")._value.get() == 22
+        with Client(sc.grpc_target) as c2:
+            assert c2.embed(["after the storm"]).cache_hits == [False]
+
+
+def test_expired_deadline_never_reaches_backend(settings: Settings, probe_backend: ProbeBackend) -> None:
+    with SidecarThread(sidecar_settings(settings, http_port=-1), backend=probe_backend) as sc, \
+            Client(sc.grpc_target) as c:
+        calls = probe_backend.calls
+        for i in range(5):
+            with pytest.raises(DeadlineExceeded):
+                c.embed([f"one millisecond {i}"], timeout_s=0.001)
+        time.sleep(0.3)
+        assert probe_backend.calls == calls
+
+        # A request whose deadline passes while it waits behind a stalled batch is dropped, not run.
+        probe_backend.hold.clear()
+        first = threading.Thread(target=lambda: c.embed(["the slow one"], timeout_s=60))
+        first.start()
+        assert wait_for(lambda: probe_backend.calls == calls + 1)
+        with pytest.raises(DeadlineExceeded):
+            c.embed(["expires in the queue"], timeout_s=0.3)
+        probe_backend.hold.set()
+        first.join(30)
+        time.sleep(0.3)
+        assert probe_backend.calls == calls + 1
+        assert c.embed(["expires in the queue"]).cache_hits == [False]  # it was never computed
+
+
+def test_backend_down_fails_fast_and_recovers(settings: Settings, probe_backend: ProbeBackend) -> None:
+    with SidecarThread(sidecar_settings(settings, http_port=-1), backend=probe_backend) as sc, \
+            Client(sc.grpc_target) as c:
+        assert health(sc.grpc_target) == health_pb2.HealthCheckResponse.SERVING
+        probe_backend.down = True
+        with pytest.raises(Unavailable):
+            c.embed(["while down 1"])
+        assert wait_for(lambda: health(sc.grpc_target) == health_pb2.HealthCheckResponse.NOT_SERVING)
+        calls = probe_backend.calls
+        with pytest.raises(Unavailable, match="down"):
+            c.embed(["while down 2"])
+        assert probe_backend.calls == calls  # failed fast, in the sidecar
+        probe_backend.down = False
+        assert wait_for(lambda: health(sc.grpc_target) == health_pb2.HealthCheckResponse.SERVING)
+        assert c.embed(["while down 1"]).cache_hits == [False]  # recovered without a restart
+
+
+def test_graceful_stop_finishes_in_flight(settings: Settings, probe_backend: ProbeBackend) -> None:
+    t = SidecarThread(sidecar_settings(settings, http_port=-1), backend=probe_backend)
+    with t as sc, Client(sc.grpc_target) as c:
+        probe_backend.hold.clear()
+        box: dict[str, object] = {}
+        req = threading.Thread(target=lambda: box.update(r=c.embed(["in flight at shutdown"], timeout_s=60)))
+        req.start()
+        assert wait_for(lambda: probe_backend.calls > 0 and sc.admission.outstanding_items == 1)
+        stopper = threading.Thread(target=lambda: t.call(sc.stop(grace_s=20)))
+        stopper.start()
+        time.sleep(0.3)
+        probe_backend.hold.set()
+        req.join(30)
+        stopper.join(30)
+        assert "r" in box  # finished with an answer
+        with pytest.raises(Unavailable):
+            c.embed(["after stop"], timeout_s=5)
+
+
+def test_not_serving_until_backend_is_warm(settings: Settings, probe_backend: ProbeBackend) -> None:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    sc = Sidecar(sidecar_settings(settings, http_port=-1), backend=probe_backend)
+    probe_backend.hold.clear()  # start-up's calibration calls wait here
+    started = asyncio.run_coroutine_threadsafe(sc.start(), loop)
+    try:
+        assert wait_for(lambda: sc.grpc_port != 0 and probe_backend.calls > 0)
+        assert health(sc.grpc_target) == health_pb2.HealthCheckResponse.NOT_SERVING
+        probe_backend.hold.set()
+        started.result(60)
+        assert health(sc.grpc_target) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        probe_backend.hold.set()
+        asyncio.run_coroutine_threadsafe(sc.stop(grace_s=0), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_failed_start_releases_its_port(settings: Settings, probe_backend: ProbeBackend) -> None:
+    probe_backend.down = True  # start-up's calibration call fails: start() raises
+    sc = Sidecar(sidecar_settings(settings, http_port=0), backend=probe_backend)
+    with pytest.raises(Unavailable):
+        asyncio.run(sc.start())
+    assert sc.grpc_port != 0 and sc.http_port is not None
+    for port in (sc.grpc_port, sc.http_port):  # nothing listens there any more
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0

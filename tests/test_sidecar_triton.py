@@ -1,0 +1,105 @@
+"""The sidecar in front of a real tritonserver: same answers as embedded, faults, recovery.
+
+Kill/restart tests use their own TritonServer (not the shared session one) on fresh ports.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2
+
+from inference.backends.onnx import OnnxBackend
+from inference.errors import EmbedcarError, Unavailable
+from inference.settings import Settings
+from inference.tokenizer import QueryTokenizer
+from inference.triton.launcher import TritonServer
+from sidecar.app import SidecarThread
+from sidecar.client import Client
+from tests.fixtures_sidecar import sidecar_settings
+from tests.fixtures_triton import triton_settings
+from tests.test_sidecar_embed import reference, texts_for_every_bucket
+from tests.test_sidecar_reliability import health, wait_for
+
+pytestmark = pytest.mark.triton
+
+
+def triton_sidecar_settings(settings: Settings, server: TritonServer) -> Settings:
+    s = settings.with_section("triton", urls=(server.grpc_url,), timeout_ms=10_000, probe_interval_s=0.2)
+    return sidecar_settings(s, backend="triton", http_port=-1)
+
+
+def test_sidecar_with_triton_equals_embedded(settings: Settings, triton_server: TritonServer,
+                                             onnx_backend: OnnxBackend, tokenizer: QueryTokenizer) -> None:
+    texts = texts_for_every_bucket(tokenizer)
+    ref = reference(onnx_backend, tokenizer, texts)
+    with SidecarThread(triton_sidecar_settings(settings, triton_server)) as sc, Client(sc.grpc_target) as c:
+        assert sc.backend.name == "triton"
+        r = c.embed(texts)
+        assert r.model == onnx_backend.version_id  # same version id as the embedded backend
+        cos = np.sum(r.embeddings * ref, axis=1)
+        assert cos.min() >= 0.9999, cos
+        one = np.stack([c.embed([t]).embeddings[0] for t in texts[:6]])
+        assert np.sum(one * ref[:6], axis=1).min() >= 0.9999
+        again = c.embed(texts[:3])
+        assert again.cache_hits == [True, True, True]
+
+
+@pytest.fixture
+def own_triton(settings: Settings, model_dir: Path, tmp_path: Path) -> Iterator[TritonServer]:
+    from inference.triton.launcher import triton_unavailable_reason
+
+    reason = triton_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    server = TritonServer(triton_settings(settings, tmp_path), variant="fp32")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_triton_killed_mid_load_then_restarted(settings: Settings, own_triton: TritonServer) -> None:
+    s = triton_sidecar_settings(settings, own_triton)
+    with SidecarThread(s) as sc, Client(sc.grpc_target) as c:
+        assert c.embed(["before the crash"]).embeddings.shape == (1, 384)
+        errors: list[EmbedcarError] = []
+        ok = [0]
+        stop = threading.Event()
+
+        def load() -> None:  # steady stream of cache misses
+            i = 0
+            while not stop.is_set():
+                i += 1
+                try:
+                    c.embed([f"load query number {i}"], timeout_s=30)
+                    ok[0] += 1
+                except EmbedcarError as exc:
+                    errors.append(exc)
+
+        worker = threading.Thread(target=load)
+        worker.start()
+        try:
+            assert wait_for(lambda: ok[0] >= 3)
+            own_triton.kill()
+            assert wait_for(lambda: len(errors) >= 3)
+            assert wait_for(lambda: health(sc.grpc_target) == health_pb2.HealthCheckResponse.NOT_SERVING)
+            # Failing fast: UNAVAILABLE, not requests hanging until their 30 s deadline.
+            assert all(isinstance(e, Unavailable) for e in errors), errors
+            with pytest.raises(Unavailable):
+                c.embed(["during the outage"], timeout_s=30)
+
+            own_triton.start()  # same ports; the sidecar is not touched
+            assert wait_for(lambda: health(sc.grpc_target) == health_pb2.HealthCheckResponse.SERVING, 60)
+            n = ok[0]
+            assert wait_for(lambda: ok[0] > n + 3, 60)
+            assert c.embed(["after the restart"]).cache_hits == [False]
+        finally:
+            stop.set()
+            worker.join(60)
