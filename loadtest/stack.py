@@ -1,0 +1,191 @@
+"""Start the system under test on this machine (`embedcar loadtest --start-stack`).
+
+Each server runs in its own process, never on the load generator's event loop: tritonserver via
+inference.triton.launcher.TritonServer, the sidecar as `python -m inference.cli_main sidecar serve`
+configured through EMBEDCAR_* variables, the baseline via loadtest.baseline.BaselineServer. All bind
+127.0.0.1 on free ports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from inference.errors import EmbedcarError, InvalidInput, Unavailable
+from inference.settings import Settings
+from loadtest.baseline import BaselineServer, free_port
+from loadtest.targets import (
+    TARGETS,
+    HttpEmbedTarget,
+    InProcessTarget,
+    SidecarEmbedTarget,
+    SidecarSearchTarget,
+    StubTarget,
+    Target,
+    TritonTarget,
+)
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("embedded", "triton")
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSpec:
+    """`target[:backend]` as given to --target/--compare, e.g. "sidecar-embed:triton"."""
+
+    target: str
+    backend: str
+
+    @classmethod
+    def parse(cls, text: str, default_backend: str = "embedded") -> TargetSpec:
+        target, _, backend = text.strip().partition(":")
+        backend = backend or default_backend
+        if target not in TARGETS:
+            raise InvalidInput(f"unknown target {target!r}; expected one of {', '.join(TARGETS)}")
+        if backend not in BACKENDS:
+            raise InvalidInput(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        return cls(target, backend)
+
+    @property
+    def label(self) -> str:
+        if self.target in ("baseline", "triton", "inprocess", "stub"):
+            return self.target
+        return f"{self.target}:{self.backend}"
+
+
+class SidecarProcess:
+    """`embedcar sidecar serve` in a child process, configured through EMBEDCAR_* variables."""
+
+    def __init__(self, settings: Settings, *, backend: str, variant: str, triton_url: str | None = None,
+                 index_dir: Path | None = None, log_file: Path | None = None,
+                 startup_timeout_s: float = 180.0) -> None:
+        self.grpc_port = free_port()
+        self.http_port = free_port()
+        self.log_file = log_file
+        self.startup_timeout_s = startup_timeout_s
+        env = dict(os.environ)
+        env.update({
+            "EMBEDCAR_MODEL_MODELS_DIR": str(settings.model.models_dir.resolve()),
+            "EMBEDCAR_MODEL_NAME": settings.model.name,
+            "EMBEDCAR_MODEL_VARIANT": variant,
+            "EMBEDCAR_SIDECAR_HOST": "127.0.0.1",
+            "EMBEDCAR_SIDECAR_GRPC_PORT": str(self.grpc_port),
+            "EMBEDCAR_SIDECAR_HTTP_PORT": str(self.http_port),
+            "EMBEDCAR_SIDECAR_BACKEND": backend,
+            # A local test stack runs without keys (whatever this shell configures): the generator
+            # measures the serving path, and a key check costs microseconds.
+            "EMBEDCAR_SIDECAR_API_KEYS": "",
+            "EMBEDCAR_SIDECAR_API_KEYS_FILE": "",
+        })
+        if triton_url:
+            env["EMBEDCAR_TRITON_URLS"] = triton_url
+        if index_dir is not None:
+            env["EMBEDCAR_SIDECAR_INDEX_DIR"] = str(index_dir.resolve())
+        self._env = env
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "inference.cli_main", "sidecar", "serve"]
+        out = self.log_file.open("ab") if self.log_file else subprocess.DEVNULL
+        try:
+            self._proc = subprocess.Popen(cmd, env=self._env, stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL)
+        finally:
+            if self.log_file:
+                out.close()  # type: ignore[union-attr]
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        from sidecar.client import Client
+
+        deadline = time.monotonic() + self.startup_timeout_s
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                code = None if self._proc is None else self._proc.returncode
+                raise Unavailable(f"sidecar exited during start-up (code {code}); see {self.log_file or 'its log'}")
+            try:
+                with Client(self.grpc_target) as c:
+                    c.embed(["load test readiness probe"], timeout_s=2.0)
+                return
+            except EmbedcarError as exc:
+                last = exc
+            time.sleep(0.5)
+        self.stop()
+        raise Unavailable(f"sidecar not ready within {self.startup_timeout_s:g} s: {last}")
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()  # SIGTERM: the sidecar drains gracefully
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def start_stack(spec: TargetSpec, settings: Settings, stack: contextlib.ExitStack, *, variant: str,
+                api_key: str | None = None, k: int = 10, index_dir: Path | None = None,
+                log_dir: Path | None = None) -> Target:
+    """Start what `spec` needs (entered on `stack`, so leaving it stops everything) -> its target."""
+    if spec.target == "stub":
+        return StubTarget()
+    model_dir = settings.model.model_dir
+    if spec.target == "inprocess":
+        return InProcessTarget(model_dir, variant=variant, threads=settings.model.intra_op_threads)
+    logs = log_dir or Path("var/loadtest")
+    logs.mkdir(parents=True, exist_ok=True)
+    if spec.target == "baseline":
+        base = stack.enter_context(BaselineServer(model_dir, variant=variant, threads=settings.model.intra_op_threads,
+                                                  log_file=logs / "baseline.log"))
+        return HttpEmbedTarget(base.url, name="baseline")
+    triton_url: str | None = None
+    if spec.target == "triton" or spec.backend == "triton":
+        from inference.triton.launcher import TritonServer
+
+        log.info("starting tritonserver (%s)", variant)
+        server = stack.enter_context(TritonServer(settings, variant=variant))
+        triton_url = server.grpc_url
+    if spec.target == "triton":
+        assert triton_url is not None
+        return TritonTarget([triton_url], model_dir, variant=variant)
+    if spec.target == "sidecar-search" and index_dir is None:
+        from catalog.job import ensure_grocery_index
+
+        log.info("making sure the grocery index exists (built once; minutes on CPU)")
+        ensure_grocery_index(settings.with_section("model", variant=variant))
+        index_dir = settings.catalog.index_root
+    log.info("starting the sidecar (%s backend, %s)", spec.backend, variant)
+    sc = stack.enter_context(SidecarProcess(settings, backend=spec.backend, variant=variant, triton_url=triton_url,
+                                            index_dir=index_dir, log_file=logs / f"sidecar-{spec.backend}.log"))
+    if spec.target == "sidecar-search":
+        return SidecarSearchTarget(sc.grpc_target, api_key=api_key, k=k, triton_stats_url=triton_url)
+    if spec.target == "http":
+        return HttpEmbedTarget(sc.http_url, api_key=api_key, triton_stats_url=triton_url)
+    return SidecarEmbedTarget(sc.grpc_target, api_key=api_key, triton_stats_url=triton_url)

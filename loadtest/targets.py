@@ -1,0 +1,319 @@
+"""What a load test can drive: the sidecar (gRPC Embed/Search, HTTP), Triton directly, the baseline.
+
+Every target turns one request (a list of texts) into one call and raises only inference.errors
+types, so the runner counts outcomes by their `code`. Dependencies of other packages (sidecar
+client, Triton client) are imported inside the targets that need them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from inference.errors import (
+    DeadlineExceeded,
+    EmbedcarError,
+    Internal,
+    InvalidInput,
+    NotFound,
+    Overloaded,
+    Unauthenticated,
+    Unavailable,
+)
+
+Timings = dict[str, int]
+
+# "inprocess": the embedded ORT backend inside the generator's process (no server, no network): the
+# floor any server adds to. "stub" answers after ~1 ms: a dry run of the generator itself.
+TARGETS = ("sidecar-embed", "sidecar-search", "http", "triton", "baseline", "inprocess", "stub")
+
+
+class Target(ABC):
+    """One system under test. `call` returns the server's per-stage timings when it reports them."""
+
+    name: str = "target"
+
+    async def start(self) -> None:  # noqa: B027 - optional hook, most targets need it
+        """Open channels/connections (not timed)."""
+
+    @abstractmethod
+    async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
+        """Send one request; raise an inference.errors type on failure."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release channels; idempotent."""
+
+    async def server_stats(self) -> dict[str, dict[str, int]] | None:
+        """Cumulative per-model server statistics (Triton), or None when the target has none."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"target": self.name}
+
+
+class SidecarEmbedTarget(Target):
+    """The sidecar's gRPC Embed RPC through sidecar.client.AsyncClient."""
+
+    name = "sidecar-embed"
+
+    def __init__(self, grpc_target: str, *, api_key: str | None = None, float16: bool = False,
+                 triton_stats_url: str | None = None) -> None:
+        self.grpc_target = grpc_target
+        self._api_key = api_key
+        self._float16 = float16
+        self._client: Any = None
+        self._stats = TritonStats(triton_stats_url) if triton_stats_url else None
+        self.model = ""
+
+    async def start(self) -> None:
+        from sidecar.client import AsyncClient
+
+        self._client = AsyncClient(self.grpc_target, api_key=self._api_key)
+        await self._client.__aenter__()
+        if self._stats is not None:
+            await self._stats.start()
+
+    async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
+        res = await self._client.embed(texts, float16=self._float16, timeout_s=timeout_s)
+        self.model = res.model
+        return dict(res.timings_ns)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.__aexit__(None, None, None)
+        if self._stats is not None:
+            await self._stats.close()
+
+    async def server_stats(self) -> dict[str, dict[str, int]] | None:
+        return await self._stats.read() if self._stats is not None else None
+
+    def describe(self) -> dict[str, Any]:
+        return {"target": self.name, "address": self.grpc_target, "model": self.model}
+
+
+class SidecarSearchTarget(SidecarEmbedTarget):
+    """The sidecar's gRPC Search RPC (embedding + FAISS search)."""
+
+    name = "sidecar-search"
+
+    def __init__(self, grpc_target: str, *, api_key: str | None = None, k: int = 10,
+                 triton_stats_url: str | None = None) -> None:
+        super().__init__(grpc_target, api_key=api_key, triton_stats_url=triton_stats_url)
+        self.k = k
+        self.index_version = ""
+
+    async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
+        res = await self._client.search(texts, k=self.k, timeout_s=timeout_s)
+        self.model, self.index_version = res.model, res.index_version
+        return dict(res.timings_ns)
+
+    def describe(self) -> dict[str, Any]:
+        return super().describe() | {"k": self.k, "index_version": self.index_version}
+
+
+# HTTP status -> project error, the inverse of the sidecar's HTTP mapping.
+_HTTP_ERRORS: dict[int, type[EmbedcarError]] = {
+    400: InvalidInput, 401: Unauthenticated, 403: Unauthenticated, 404: NotFound, 413: InvalidInput,
+    422: InvalidInput, 429: Overloaded, 503: Unavailable, 504: DeadlineExceeded,
+}
+
+
+class HttpEmbedTarget(Target):
+    """An OpenAI-compatible POST /v1/embeddings (the sidecar's HTTP facade or the baseline)."""
+
+    name = "http"
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, name: str | None = None,
+                 triton_stats_url: str | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"x-api-key": api_key} if api_key else {}
+        self._client: Any = None
+        self._stats = TritonStats(triton_stats_url) if triton_stats_url else None
+        self.model = ""
+        if name:
+            self.name = name
+
+    async def start(self) -> None:
+        import httpx
+
+        # One keep-alive pool sized for the concurrency cap: connection set-up is not what we measure.
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+        self._client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, limits=limits,
+                                         trust_env=False)
+        if self._stats is not None:
+            await self._stats.start()
+
+    async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
+        import httpx
+
+        try:
+            r = await self._client.post("/v1/embeddings", json={"input": texts}, timeout=timeout_s)
+        except httpx.TimeoutException as exc:
+            raise DeadlineExceeded(f"no HTTP answer within {timeout_s:.3f} s") from exc
+        except httpx.TransportError as exc:
+            raise Unavailable(f"{self.base_url}: {exc}") from exc
+        if r.status_code != 200:
+            raise _HTTP_ERRORS.get(r.status_code, Internal)(f"HTTP {r.status_code}: {r.text[:200]}")
+        body = r.json()
+        self.model = str(body.get("model", ""))
+        if len(body.get("data", ())) != len(texts):
+            raise Internal(f"asked for {len(texts)} embeddings, got {len(body.get('data', ()))}")
+        return None
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()
+        if self._stats is not None:
+            await self._stats.close()
+
+    async def server_stats(self) -> dict[str, dict[str, int]] | None:
+        return await self._stats.read() if self._stats is not None else None
+
+    def describe(self) -> dict[str, Any]:
+        return {"target": self.name, "address": self.base_url, "model": self.model}
+
+
+class TritonTarget(Target):
+    """Triton's ensemble directly (inference only): tokenize here, then TritonBackend.embed."""
+
+    name = "triton"
+
+    def __init__(self, urls: Sequence[str], model_dir: Path, *, variant: str | None = None,
+                 model_name: str = "embedder") -> None:
+        self.urls = list(urls)
+        self.model_dir = model_dir
+        self.variant = variant
+        self.model_name = model_name
+        self._backend: Any = None
+        self._tokenizer: Any = None
+
+    async def start(self) -> None:
+        from inference.backends.triton import TritonBackend
+        from inference.embedder import load_tokenizer
+        from inference.manifest import load_manifest
+
+        manifest = load_manifest(self.model_dir)
+        self._tokenizer = load_tokenizer(self.model_dir, manifest)
+        self._backend = TritonBackend(self.urls, manifest, variant=self.variant, model_name=self.model_name)
+        await self._backend.start()
+
+    async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
+        import time
+
+        t0 = time.perf_counter_ns()
+        enc = self._tokenizer.encode(texts)
+        calls = self._tokenizer.bucketed(enc)
+        t1 = time.perf_counter_ns()
+        await asyncio.gather(*(self._backend.embed(b, timeout_s=timeout_s) for _, b in calls))
+        t2 = time.perf_counter_ns()
+        return {"tokenize": t1 - t0, "inference": t2 - t1, "total": t2 - t0}
+
+    async def close(self) -> None:
+        if self._backend is not None:
+            backend, self._backend = self._backend, None
+            await backend.close()
+
+    async def server_stats(self) -> dict[str, dict[str, int]] | None:
+        if self._backend is None:
+            return None
+        raw = await self._backend.statistics()
+        return {m: {k: int(v) for k, v in s.items()} for m, s in raw.items()}
+
+    def describe(self) -> dict[str, Any]:
+        version = getattr(self._backend, "version_id", "")
+        return {"target": self.name, "address": ",".join(self.urls), "model": version}
+
+
+class InProcessTarget(Target):
+    """inference.embedder.Embedder over the embedded ONNX backend, in this process."""
+
+    name = "inprocess"
+
+    def __init__(self, model_dir: Path, *, variant: str | None = None, threads: int = 0) -> None:
+        self.model_dir = model_dir
+        self.variant = variant
+        self.threads = threads
+        self._embedder: Any = None
+
+    async def start(self) -> None:
+        from inference.backends.onnx import OnnxBackend
+        from inference.embedder import Embedder, load_tokenizer
+        from inference.manifest import load_manifest
+
+        manifest = load_manifest(self.model_dir)
+        backend = OnnxBackend(self.model_dir, manifest, variant=self.variant, threads=self.threads)
+        await backend.start()
+        self._embedder = Embedder(load_tokenizer(self.model_dir, manifest), backend)
+
+    async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
+        try:
+            res = await asyncio.wait_for(self._embedder.embed(texts), timeout_s)
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"no embedding within {timeout_s:.3f} s") from exc
+        return dict(res.timings_ns)
+
+    async def close(self) -> None:
+        if self._embedder is not None:
+            embedder, self._embedder = self._embedder, None
+            await embedder.backend.close()
+
+    def describe(self) -> dict[str, Any]:
+        version = self._embedder.backend.version_id if self._embedder is not None else ""
+        return {"target": self.name, "model": version}
+
+
+class TritonStats:
+    """Per-model cumulative statistics straight from a Triton gRPC endpoint (tritonclient aio).
+
+    Used when the sidecar (not us) talks to Triton: the report diffs two snapshots to get the
+    server-side queue/compute split over the run window.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._client: Any = None
+
+    async def start(self) -> None:
+        import tritonclient.grpc.aio as grpcclient
+
+        self._client = grpcclient.InferenceServerClient(self.url)
+
+    async def read(self) -> dict[str, dict[str, int]] | None:
+        if self._client is None:
+            return None
+        try:
+            raw = await self._client.get_inference_statistics(as_json=True, client_timeout=5.0)
+        except Exception:  # statistics are a report extra: a failed read must not fail the run
+            return None
+        from inference.backends.triton import flatten_statistics
+
+        return {m: {k: int(v) for k, v in row.items()} for m, row in flatten_statistics(raw).items()}
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
+
+
+class StubTarget(Target):
+    """An in-process target for dry runs of the machinery: sleeps `service_ms` with jitter.
+
+    Not a stand-in for a server in measurements; `embedcar loadtest --target stub` checks that the
+    generator itself can keep a schedule on this machine.
+    """
+
+    name = "stub"
+
+    def __init__(self, service_ms: float = 1.0, *, seed: int = 0) -> None:
+        self.service_ms = service_ms
+        self._rng = random.Random(seed)
+
+    async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
+        await asyncio.sleep(self.service_ms / 1e3 * self._rng.uniform(0.5, 1.5))
+        return None

@@ -1,0 +1,62 @@
+"""Short load runs against a real Sidecar (embedded backend) through the gRPC and HTTP targets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from inference.cli_main import main as cli_main
+from inference.tokenizer import QueryTokenizer
+from loadtest.queries import query_stream
+from loadtest.report import summarize
+from loadtest.runner import OK, RunConfig, run_load
+from loadtest.targets import HttpEmbedTarget, SidecarEmbedTarget, Target
+
+# Low rate, generous deadline: this checks the machinery on a shared box, not speed.
+CONFIG = RunConfig(rate=10, duration_s=1.5, warmup_s=0.3, deadline_ms=30_000)
+
+
+async def _run(target: Target, texts: list[str]) -> Any:
+    await target.start()
+    try:
+        return await run_load(target, texts, CONFIG)
+    finally:
+        await target.close()
+
+
+async def test_grpc_embed_target_against_a_real_sidecar(sidecar_embedded: Any, tokenizer: QueryTokenizer) -> None:
+    texts = query_stream(tokenizer, CONFIG.requests, seed=11, unique=True)
+    result = await _run(SidecarEmbedTarget(sidecar_embedded.grpc_target), texts)
+    assert all(s.code == OK for s in result.samples), result.errors_seen
+    summary = summarize(result, name="sidecar", sla_ms=30_000)
+    assert summary["ok"] == summary["requests"] == 15
+    assert summary["target"]["model"].endswith("/fp32")
+    # The sidecar reports its stages; they land in the report to show where the time goes.
+    assert {"tokenize", "inference", "total"} <= set(summary["stages_ms"])
+    # Latency from the schedule is never below the server's own total.
+    for s in result.measured:
+        assert s.timings_ns is not None and s.latency_s * 1e9 >= s.timings_ns["total"]
+
+
+async def test_http_target_against_a_real_sidecar(sidecar_embedded: Any, tokenizer: QueryTokenizer) -> None:
+    texts = query_stream(tokenizer, CONFIG.requests, seed=12, unique=True)
+    result = await _run(HttpEmbedTarget(f"http://127.0.0.1:{sidecar_embedded.http_port}"), texts)
+    assert all(s.code == OK for s in result.samples), result.errors_seen
+    assert result.target["model"].endswith("/fp32")
+
+
+@pytest.mark.slow
+def test_start_stack_runs_a_sidecar_process_and_stops_it(tmp_path: Path, model_dir: Path) -> None:
+    # --start-stack: the sidecar runs as `embedcar sidecar serve` in a child process on free ports.
+    rc = cli_main(["loadtest", "--start-stack", "--target", "http:embedded", "--rate", "5", "--duration", "1",
+                   "--warmup", "0.4", "--no-cache", "--deadline-ms", "30000", "--sla-ms", "30000",
+                   "--models-dir", str(model_dir.parent), "--out", str(tmp_path), "--name", "stack",
+                   "--log-dir", str(tmp_path / "logs")])
+    summary = json.loads((tmp_path / "stack.json").read_text())
+    assert summary["errors"] == {}, summary["error_examples"]
+    assert rc == 0 and summary["ok"] == 5
+    assert summary["target"]["spec"] == "http:embedded"
+    assert (tmp_path / "logs" / "sidecar-embedded.log").exists()
