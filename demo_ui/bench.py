@@ -13,9 +13,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
-import os
 import random
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Any
 
 from demo_ui.search import STAGES
 from inference.errors import InvalidInput, Unavailable
+from inference.files import atomic_write_text
 
 QUERIES_FILE = Path(__file__).resolve().parent / "queries.txt"
 BREAKDOWN = ("total", "network", "server", *STAGES)
@@ -173,20 +172,6 @@ def format_summary(summary: dict[str, Any], budget_ms: float) -> str:
     return "\n".join(rows)
 
 
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        Path(tmp).replace(path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def bench(url: str, *, n_queries: int = 200, key_interval_ms: float = 60.0, seed: int = 7,
           budget_ms: float = 20.0, out: Path | None = None) -> dict[str, Any]:
     if n_queries < 1:
@@ -207,6 +192,6 @@ def bench(url: str, *, n_queries: int = 200, key_interval_ms: float = 60.0, seed
     }
     print(format_summary(summary, budget_ms))
     if out is not None:
-        write_json_atomic(out, summary)
+        atomic_write_text(out, json.dumps(summary, indent=2))
         print(f"wrote {out}")
     return summary

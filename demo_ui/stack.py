@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from inference.errors import Unavailable
+from inference.lifecycle import sigterm_as_interrupt
 from inference.settings import Settings
 
 if TYPE_CHECKING:
@@ -132,23 +132,10 @@ async def _stop_server(server: Any, task: asyncio.Task[None]) -> None:
         await task
 
 
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """During the blocking setup phase, treat SIGTERM like Ctrl-C so cleanup still runs."""
-    def raise_interrupt(_sig: int, _frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, raise_interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def run_demo(settings: Settings, *, backend: str = "auto", say: Say = print) -> int:
     triton: TritonServer | None = None
     try:
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             prepared = prepare(settings, backend, say)
             if prepared.backend == "triton":
                 s, triton = start_triton(prepared.settings, say)

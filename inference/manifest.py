@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
 from inference.errors import ModelError
+from inference.files import atomic_write_text, sha256_file
 from inference.pooling import check_mode
 
 MANIFEST_FILE = "manifest.json"
@@ -111,14 +110,6 @@ def load_manifest(model_dir: Path) -> Manifest:
         raise ModelError(f"{path} is not a valid manifest: {exc}") from exc
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def verify_files(model_dir: Path, manifest: Manifest) -> list[str]:
     """Problems found comparing the files on disk with their manifest checksums (empty = fine)."""
     problems = []
@@ -132,18 +123,3 @@ def verify_files(model_dir: Path, manifest: Manifest) -> list[str]:
     if manifest.version_id != manifest.compute_version_id():
         problems.append("version id does not match the checksums")
     return problems
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temp file in the same folder, fsync, rename: readers see old or new, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        Path(tmp).replace(path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

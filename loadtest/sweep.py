@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from inference.errors import InvalidInput
-from inference.manifest import atomic_write_text
+from inference.files import atomic_write_text
 from loadtest.report import Summary, fmt_ms, save_png, summarize, target_label
 from loadtest.runner import RunConfig, run_load
 from loadtest.targets import Target

@@ -35,7 +35,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import load_tokenizer
 from inference.errors import EmbedcarError, Unavailable
-from inference.manifest import atomic_write_text, load_manifest
+from inference.files import atomic_write_text
+from inference.manifest import load_manifest
 from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer
 from sidecar.client import AsyncClient, Client

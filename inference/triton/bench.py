@@ -21,7 +21,8 @@ import numpy as np
 
 from inference.backends.onnx import OnnxBackend
 from inference.backends.triton import TritonBackend
-from inference.manifest import Manifest, atomic_write_text, load_manifest
+from inference.files import atomic_write_text
+from inference.manifest import Manifest, load_manifest
 from inference.settings import Settings
 from inference.tokenizer import TokenBatch
 from inference.triton.repository import cpu_sizing

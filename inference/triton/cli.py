@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import signal
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from inference.errors import ModelError, Unavailable
+from inference.lifecycle import sigterm_as_interrupt
 from inference.manifest import load_manifest
 from inference.settings import Settings
 
@@ -90,25 +88,13 @@ def _repo(args: argparse.Namespace) -> int:
     return 0
 
 
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Any:
-    def raise_interrupt(_sig: int, _frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, raise_interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def _serve(args: argparse.Namespace) -> int:
     from inference.triton.launcher import TritonServer
 
     s = _settings(args)
     t = s.triton
     server = TritonServer(s, grpc_port=t.grpc_port, http_port=t.http_port, metrics_port=t.metrics_port)
-    with _sigterm_as_interrupt():
+    with sigterm_as_interrupt():
         try:
             server.start()
             print(f"Triton ready: gRPC {server.grpc_url}  HTTP {server.http_url}  metrics {server.metrics_url}"

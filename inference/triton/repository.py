@@ -21,7 +21,8 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from inference.errors import InvalidInput, ModelError
-from inference.manifest import Manifest, atomic_write_text
+from inference.files import atomic_write_text
+from inference.manifest import Manifest
 from inference.settings import Settings
 
 TARGETS = ("cpu", "gpu")

@@ -1,0 +1,57 @@
+"""The `embedcar` tool as a user runs it (a real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from inference.cli_main import build_parser
+from inference.manifest import Manifest
+
+
+def _embedcar(*args: str, models_dir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "inference.cli_main", *args, "--models-dir", str(models_dir)],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_prepare_is_idempotent(model_dir: Path, manifest: Manifest) -> None:
+    p = _embedcar("model", "prepare", models_dir=model_dir.parent)
+    assert p.returncode == 0, p.stderr
+    assert "nothing to do" in p.stdout
+    assert manifest.version_id in p.stdout
+
+
+def test_embed_json_for_scripts(model_dir: Path, manifest: Manifest) -> None:
+    p = _embedcar("embed", "--json", "best marathon training shoes for women", "running shoes",
+                  models_dir=model_dir.parent)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    emb = np.array(out["embeddings"])
+    assert out["model"] == manifest.variant_id("fp32") and out["dim"] == 384 and emb.shape == (2, 384)
+    assert 0.5 < float(emb[0] @ emb[1]) < 0.95  # related, not identical
+
+
+def test_embed_bad_input_is_a_clear_error(model_dir: Path) -> None:
+    p = _embedcar("embed", "   ", models_dir=model_dir.parent)
+    assert p.returncode == 2
+    assert "text 0 is empty" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_missing_model_says_what_to_run(tmp_path: Path) -> None:
+    p = _embedcar("embed", "tea", models_dir=tmp_path)
+    assert p.returncode == 2
+    assert "embedcar model prepare" in p.stderr
+
+
+def test_every_subcommand_loads() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    helps = {c.dest: c.help for c in sub._choices_actions}  # type: ignore[attr-defined]
+    assert {"model", "embed", "triton", "sidecar", "catalog", "demo", "loadtest"} <= set(helps)
+    broken = {k: v for k, v in helps.items() if v and v.startswith("(unavailable")}
+    assert not broken
