@@ -1,0 +1,1 @@
+"""Product catalog: sources, the batch embedding job and the FAISS product index."""

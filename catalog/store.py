@@ -1,0 +1,129 @@
+"""Versioned index directories on disk, published atomically.
+
+Layout under an index root:
+    v-<UTC timestamp>-<rand>/   one complete version: manifest.json, index.faiss, embeddings.npy,
+                                products.parquet (row i of each belongs to vector i)
+    .tmp-*/                     versions being written (never read)
+    .work/ .shards/             batch-job checkpoints and shard outputs
+
+A version is written into a hidden temp folder, every file fsynced, then renamed to its final
+name in one step: a reader sees a complete version or none, and a crash mid-build leaves the
+previous version serving. Names sort by build time, so "newest" is the greatest name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from inference.errors import ModelError, NotFound
+
+VERSION_PREFIX = "v-"
+MANIFEST_FILE = "manifest.json"
+INDEX_FILE = "index.faiss"
+VECTORS_FILE = "embeddings.npy"
+PRODUCTS_FILE = "products.parquet"
+FORMAT = 1
+
+
+def new_version_name(now: datetime | None = None) -> str:
+    t = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%S.%fZ")
+    return f"{VERSION_PREFIX}{t}-{secrets.token_hex(2)}"
+
+
+def complete_versions(root: Path) -> list[Path]:
+    """Published versions, oldest first. Temp folders start with '.', so never match."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir()
+                  if p.is_dir() and p.name.startswith(VERSION_PREFIX) and (p / MANIFEST_FILE).is_file())
+
+
+def read_manifest(version_dir: Path) -> dict[str, Any]:
+    try:
+        data: dict[str, Any] = json.loads((version_dir / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise NotFound(f"no index manifest in {version_dir}") from exc
+    except ValueError as exc:
+        raise ModelError(f"{version_dir / MANIFEST_FILE} is not valid JSON: {exc}") from exc
+    if data.get("format") != FORMAT:
+        raise ModelError(f"{version_dir} has index format {data.get('format')!r}, expected {FORMAT}")
+    return data
+
+
+def newest_version(root: Path, *, model_id: str | None = None) -> Path | None:
+    """The newest complete version (of `model_id`, when given)."""
+    for v in reversed(complete_versions(root)):
+        if model_id is None:
+            return v
+        try:
+            if read_manifest(v).get("model_id") == model_id:
+                return v
+        except (NotFound, ModelError):
+            continue
+    return None
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file, then every folder bottom-up: the rename must not outrun the data."""
+    for dirpath, _dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            fd = os.open(Path(dirpath) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(root: Path, write: Callable[[Path], None], *, name: str | None = None) -> Path:
+    """Run `write(tmp_dir)`, then make the result appear as `root/name` in one rename."""
+    root.mkdir(parents=True, exist_ok=True)
+    name = name or new_version_name()
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{name}-"))
+    try:
+        write(tmp)
+        fsync_tree(tmp)
+        final = root / name
+        tmp.rename(final)
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def prune(root: Path, *, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` versions (open memory maps of deleted files stay valid)."""
+    old = complete_versions(root)[:-keep] if keep > 0 else []
+    for v in old:
+        # Rename first so a half-deleted version never looks complete.
+        hidden = v.with_name(f".del-{v.name}")
+        v.rename(hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
+    return old
+
+
+def remove_stale_temps(root: Path) -> None:
+    """Leftovers of crashed builds (a live build's temp folder is younger than a day)."""
+    if not root.is_dir():
+        return
+    now = datetime.now(UTC).timestamp()
+    for p in root.iterdir():
+        if p.name.startswith((".tmp-", ".del-")) and now - p.stat().st_mtime > 86_400:
+            shutil.rmtree(p, ignore_errors=True)
