@@ -28,6 +28,7 @@ class ModelSettings:
     name: str = _f("all-MiniLM-L6-v2", "Model directory name under models_dir.")
     variant: str = _f("fp32", "ONNX variant to serve: fp32 (fused), int8 or fp16.")
     intra_op_threads: int = _f(0, "ONNX Runtime intra-op threads; 0 = number of cores.")
+    ort_spinning: bool = _f(True, "Embedded backend: let ORT threads spin between calls.")
     max_batch: int = _f(256, "Largest number of texts accepted in one embedding call.")
     max_text_chars: int = _f(20_000, "Texts longer than this are cut before tokenizing.")
 

@@ -55,7 +55,7 @@ def build_backend(settings: Settings) -> Backend:
         from inference.backends.onnx import OnnxBackend
 
         return OnnxBackend(m.model_dir, manifest, variant=m.variant, threads=m.intra_op_threads,
-                           max_batch=m.max_batch)
+                           max_batch=m.max_batch, spinning=m.ort_spinning)
     if kind == "triton":
         from inference.backends.triton import TritonBackend
 

@@ -179,7 +179,8 @@ def bench_overload(target: str, queries: list[str], qps: float, deadline_s: floa
 
 def bench_raw_ort(settings: Settings, tokenizer: QueryTokenizer, queries: list[str]) -> dict[str, float]:
     m = settings.model
-    backend = OnnxBackend(m.model_dir, load_manifest(m.model_dir), variant=m.variant, threads=m.intra_op_threads)
+    backend = OnnxBackend(m.model_dir, load_manifest(m.model_dir), variant=m.variant, threads=m.intra_op_threads,
+                          spinning=m.ort_spinning)
     backend.warm_up()
     batches = [tokenizer.batch(tokenizer.encode([q]).ids) for q in queries]
     lat = []

@@ -228,3 +228,23 @@ def test_fixed_ivf_settings_are_used_and_checked(s: Settings) -> None:
         build_faiss(x[:10], fixed.catalog, index_type="ivf")
     with pytest.raises(InvalidInput):
         build_faiss(np.zeros((0, DIM), np.float32), s.catalog)
+
+
+def test_search_from_a_worker_thread_uses_the_configured_faiss_threads(s: Settings) -> None:
+    """OpenMP thread counts are per thread: the sidecar searches from a worker thread, which must
+    not fall back to FAISS's default team of one thread per core (3x slower single queries)."""
+    import faiss
+
+    x = clustered(500)
+    publish(s, x, index_type="flat")
+    idx = ProductIndex.open(s.catalog.index_root, expected_model_id=MODEL, search_threads=1)
+    seen: list[int] = []
+
+    def worker() -> None:
+        idx.search(x[:1], k=3)
+        seen.append(faiss.omp_get_max_threads())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == [1]
