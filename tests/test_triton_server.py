@@ -68,7 +68,9 @@ async def test_dynamic_batching_happens(backend: TritonBackend, tokenizer: Query
     assert all(np.allclose(r, results[0], atol=1e-5) for r in results)
     inferences = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]
-    assert inferences == 48
+    # >= : the server is shared by the session, and a request of an earlier test may finish (and
+    # be counted) inside this window. Without batching, executions would equal inferences.
+    assert inferences >= 48
     assert executions < inferences, "concurrent same-shape requests were never batched together"
 
 
