@@ -98,6 +98,7 @@ def publish(root: Path, write: Callable[[Path], None], *, name: str | None = Non
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{name}-"))
     try:
         write(tmp)
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the published version from other users
         fsync_tree(tmp)
         final = root / name
         tmp.rename(final)

@@ -21,6 +21,7 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
+            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide models/reports from other users
             os.fsync(f.fileno())
         Path(tmp).replace(path)
     except BaseException:

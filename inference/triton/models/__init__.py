@@ -1,0 +1,1 @@
+"""Python-backend model code, copied into the generated repository (one folder per model)."""

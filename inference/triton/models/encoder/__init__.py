@@ -1,0 +1,1 @@
+"""Triton Python-backend encoder: ONNX Runtime on CPU."""

@@ -1,0 +1,1 @@
+"""Triton Python-backend pooling: the shared inference.pooling code."""

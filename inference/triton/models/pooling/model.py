@@ -1,0 +1,59 @@
+"""Triton Python-backend `pooling`: last_hidden_state + mask -> L2-normalised embedding.
+
+Copied into <repo>/pooling/1/model.py. It calls `inference.pooling.pool`, the same function the
+embedded backend uses, so both backends agree; the mode comes from the model's manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np  # importable wherever the backend utils are: they need it themselves
+import triton_python_backend_utils as pb_utils
+
+
+def config_params(args: dict[str, str]) -> dict[str, str]:
+    """String parameters of the model config, with `sys_path` applied so imports resolve."""
+    cfg = json.loads(args["model_config"])
+    params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+    for p in reversed(params.get("sys_path", "").split(os.pathsep)):
+        if p and p not in sys.path:
+            sys.path.insert(0, p)
+    return params
+
+
+def to_numpy(tensor: Any) -> Any:
+    """Zero-copy numpy view through DLPack.
+
+    The wheel's stub was built for numpy < 2; with numpy 2 its as_numpy()/Tensor(ndarray) read the
+    array descriptor wrongly (garbage values, zero-byte outputs). DLPack carries dtype and shape
+    itself, so it works with either numpy.
+    """
+    return np.from_dlpack(tensor)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        params = config_params(args)
+        from inference.pooling import check_mode, pool
+
+        self.pool: Any = pool
+        self.mode = check_mode(params.get("mode", "mean"))
+        self.special_ids = tuple(int(x) for x in params.get("special_ids", "").split(",") if x)
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses = []
+        for req in requests:
+            try:
+                hidden = to_numpy(pb_utils.get_input_tensor_by_name(req, "last_hidden_state"))
+                mask = to_numpy(pb_utils.get_input_tensor_by_name(req, "attention_mask"))
+                ids_t = pb_utils.get_input_tensor_by_name(req, "input_ids")
+                ids = to_numpy(ids_t) if ids_t is not None else None
+                emb = self.pool(hidden, mask, self.mode, input_ids=ids, special_ids=self.special_ids)
+                responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack("embedding", emb)]))
+            except Exception as exc:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"pooling: {exc}")))
+        return responses
