@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
 from collections.abc import Iterator
 from types import FrameType
 
@@ -20,3 +21,15 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def terminate(proc: subprocess.Popen[bytes] | subprocess.Popen[str], timeout_s: float) -> None:
+    """SIGTERM (a graceful drain), then SIGKILL if it has not exited within `timeout_s`."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

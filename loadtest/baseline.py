@@ -22,6 +22,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from inference.errors import InvalidInput, Unavailable
+from inference.lifecycle import terminate
 from inference.manifest import load_manifest
 from inference.pooling import pool
 
@@ -125,14 +126,8 @@ class BaselineServer:
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            terminate(proc, 10)
 
     def __enter__(self) -> Self:
         self.start()

@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Self
 
 from inference.errors import EmbedcarError, InvalidInput, Unavailable
+from inference.lifecycle import terminate
 from inference.settings import Settings
 from loadtest.baseline import BaselineServer, free_port
 from loadtest.targets import (
@@ -133,14 +134,8 @@ class SidecarProcess:
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()  # SIGTERM: the sidecar drains gracefully
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            terminate(proc, 30)  # SIGTERM first: the sidecar drains gracefully
 
     def __enter__(self) -> Self:
         self.start()

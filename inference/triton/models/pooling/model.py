@@ -53,7 +53,8 @@ class TritonPythonModel:
                 ids_t = pb_utils.get_input_tensor_by_name(req, "input_ids")
                 ids = to_numpy(ids_t) if ids_t is not None else None
                 emb = self.pool(hidden, mask, self.mode, input_ids=ids, special_ids=self.special_ids)
-                responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack("embedding", emb)]))
+                out = pb_utils.Tensor.from_dlpack("embedding", emb)
+                responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
             except Exception as exc:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"pooling: {exc}")))
         return responses
