@@ -103,7 +103,10 @@ class CatalogSettings:
     in_flight: int = _f(2, "Backend calls in flight in the batch job.")
     search_threads: int = _f(1, "FAISS OpenMP threads (1 is fastest for single queries).")
     text_fields: tuple[str, ...] = _f(("title",), "Product fields joined (with ' | ') into the embedded text.")
-    flat_max_items: int = _f(200_000, "auto index type: exact search up to this many items, IVF above.")
+    flat_max_items: int = _f(20_000, "auto index type: exact search up to this many items.")
+    hnsw_max_items: int = _f(
+        200_000, "auto index type: HNSW above flat_max_items up to this many items (its build grows fast), IVF above."
+    )
     ivf_nlist: int = _f(0, "IVF lists; 0 = about sqrt(items).")
     ann_recall_target: float = _f(0.95, "Build-time nprobe choice: smallest reaching this recall@10 vs exact.")
     hnsw_ef_construction: int = _f(80, "HNSW build breadth (slow to build on CPU: see DESIGN).")

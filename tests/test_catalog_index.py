@@ -74,10 +74,12 @@ def test_ivf_nprobe_is_chosen_to_reach_the_recall_target(s: Settings) -> None:
     assert index_mod.ann_recall(index, x, q) >= 0.9  # fresh queries: close to the target too
 
 
-def test_auto_type_is_flat_small_and_ivf_large(s: Settings) -> None:
-    small = s.with_section("catalog", flat_max_items=1000)
+def test_auto_type_is_flat_small_hnsw_medium_ivf_large(s: Settings) -> None:
+    small = s.with_section("catalog", flat_max_items=1000, hnsw_max_items=5000)
     assert index_mod.resolve_type("auto", 1000, small.catalog) == "flat"
-    assert index_mod.resolve_type("auto", 1001, small.catalog) == "ivf"
+    assert index_mod.resolve_type("auto", 1001, small.catalog) == "hnsw"
+    assert index_mod.resolve_type("auto", 5001, small.catalog) == "ivf"
+    assert index_mod.resolve_type("auto", 49_688, s.catalog) == "hnsw"  # the grocery catalog
     with pytest.raises(InvalidInput):
         index_mod.resolve_type("annoy", 10, s.catalog)
 
