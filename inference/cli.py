@@ -26,15 +26,20 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads, 0 = cores")
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
+def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The `model` settings section from the model flags a subcommand declares (absent = not set)."""
     from pathlib import Path
 
-    return Settings.load(overrides={"model": {
+    return {
         "models_dir": Path(args.models_dir) if getattr(args, "models_dir", None) else None,
         "name": getattr(args, "model_name", None),
         "variant": getattr(args, "variant", None),
         "intra_op_threads": getattr(args, "threads", None),
-    }})
+    }
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    return Settings.load(overrides={"model": model_overrides(args)})
 
 
 def register_model(sub: Any) -> None:

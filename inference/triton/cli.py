@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from inference.cli import model_overrides
 from inference.errors import ModelError, Unavailable
 from inference.lifecycle import sigterm_as_interrupt
 from inference.manifest import load_manifest
@@ -17,10 +18,7 @@ from inference.settings import Settings
 
 def _settings(args: argparse.Namespace) -> Settings:
     return Settings.load(overrides={
-        "model": {
-            "models_dir": Path(args.models_dir) if args.models_dir else None,
-            "variant": args.variant,
-        },
+        "model": model_overrides(args),
         "triton": {
             "target": getattr(args, "target", None),
             "repo_dir": Path(args.out) if getattr(args, "out", None) else None,
