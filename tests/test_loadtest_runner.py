@@ -59,8 +59,12 @@ async def test_a_server_stall_shows_in_the_latency_of_every_request_scheduled_du
     # Latency falls as the scheduled time nears the stall's end: it is the remaining stall.
     after = [lat[i] for i in range(11, 25)]
     assert after[0] > after[-1]
-    # And the generator itself stayed on schedule meanwhile: sends were not held back.
-    assert result.pacer.lag_p99_ms < 50
+    # And the generator kept sending meanwhile: a closed-loop client would have held the requests
+    # scheduled inside the stall back by up to 400 ms; here they left about on time. (The bounds are
+    # loose because the stub server shares this event loop and the machine's two cores with pytest.)
+    during = [s.send_lag_s for s in result.samples if 10 <= s.index < 28]
+    assert float(np.median(during)) < 0.01
+    assert max(during) < 0.2
 
 
 async def test_errors_are_counted_by_code() -> None:
