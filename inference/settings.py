@@ -54,6 +54,9 @@ class TritonSettings:
     preferred_batch_sizes: tuple[int, ...] = _f((4, 8, 16, 32), "Preferred dynamic batch sizes.")
     cpu_instances: int = _f(0, "Encoder instances on CPU; 0 = one per two cores (at least 1).")
     gpu_instances: int = _f(4, "Encoder instances per GPU (parallel CUDA streams).")
+    cpu_pooling: str = _f(
+        "fused", "CPU target: pool inside the encoder's stub (fused: one Python hop) or as its own step."
+    )
     max_batch_size: int = _f(256, "max_batch_size of the generated models.")
     timeout_ms: int = _f(2000, "gRPC deadline and Triton server-side timeout per request.")
     engine_cache_dir: Path = _f(Path("var/trt-engines"), "Cache of TensorRT engines.")

@@ -23,18 +23,49 @@ from inference.triton.repository import (
 
 
 def _configs(repo: Path) -> dict[str, mc.ModelConfig]:
-    return {name: load_config(repo / name / "config.pbtxt") for name in (ENCODER, POOLING, ENSEMBLE)}
+    return {name: load_config(repo / name / "config.pbtxt") for name in (ENCODER, POOLING, ENSEMBLE)
+            if (repo / name).exists()}
 
 
-def test_cpu_repository(settings: Settings, manifest: Manifest, model_dir: Path, tmp_path: Path) -> None:
+def test_cpu_repository_pools_inside_the_encoder(settings: Settings, manifest: Manifest, model_dir: Path,
+                                                 tmp_path: Path) -> None:
+    # Default CPU layout: one Python hop. The encoder emits the embedding; the ensemble has one step.
+    generate_repository(settings.with_section("triton", cpu_pooling="step"), manifest, model_dir,
+                        out_dir=tmp_path, target="cpu")
     repo = generate_repository(settings, manifest, model_dir, out_dir=tmp_path, target="cpu", variant="int8")
     cfg = _configs(repo)
+    assert set(cfg) == {ENCODER, ENSEMBLE}
+    assert not (repo / POOLING).exists(), "a leftover pooling model would start an idle stub"
     enc = cfg[ENCODER]
     assert enc.backend == "python" and enc.platform == ""
     assert enc.max_batch_size == settings.triton.max_batch_size
     assert [i.name for i in enc.input] == list(manifest.inputs)
     assert all(i.data_type == mc.TYPE_INT32 and list(i.dims) == [-1] for i in enc.input)
+    assert [(o.name, list(o.dims)) for o in enc.output] == [("last_hidden_state", [-1, manifest.dim]),
+                                                            ("embedding", [manifest.dim])]
+    assert enc.parameters["mode"].string_value == manifest.pooling
+    assert enc.parameters["special_ids"].string_value == ",".join(map(str, manifest.special_ids))
+    (step,) = cfg[ENSEMBLE].ensemble_scheduling.step
+    assert step.model_name == ENCODER and dict(step.output_map) == {"embedding": "embedding"}
+    assert {i.name for i in cfg[ENSEMBLE].input} == set(manifest.inputs)
+    assert [o.name for o in cfg[ENSEMBLE].output] == ["embedding"]
+
+
+def test_unknown_cpu_pooling_is_invalid(settings: Settings, manifest: Manifest, model_dir: Path,
+                                        tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput, match="cpu_pooling"):
+        generate_repository(settings.with_section("triton", cpu_pooling="graph"), manifest, model_dir,
+                            out_dir=tmp_path, target="cpu")
+
+
+def test_cpu_repository_two_steps(settings: Settings, manifest: Manifest, model_dir: Path, tmp_path: Path) -> None:
+    settings = settings.with_section("triton", cpu_pooling="step")
+    repo = generate_repository(settings, manifest, model_dir, out_dir=tmp_path, target="cpu", variant="int8")
+    cfg = _configs(repo)
+    enc = cfg[ENCODER]
+    assert enc.backend == "python" and enc.platform == ""
     assert [(o.name, list(o.dims)) for o in enc.output] == [("last_hidden_state", [-1, manifest.dim])]
+    assert "mode" not in enc.parameters
     (group,) = enc.instance_group
     assert group.kind == mc.ModelInstanceGroup.KIND_CPU
     threads = int(enc.parameters["intra_op_threads"].string_value)
@@ -86,7 +117,7 @@ def test_gpu_repository(settings: Settings, manifest: Manifest, model_dir: Path,
 def test_excluding_special_pooling_wires_input_ids(settings: Settings, manifest: Manifest, model_dir: Path,
                                                    tmp_path: Path) -> None:
     m = dataclasses.replace(manifest, pooling="mean_excluding_special")
-    cfg = _configs(generate_repository(settings, m, model_dir, out_dir=tmp_path, target="cpu"))
+    cfg = _configs(generate_repository(settings, m, model_dir, out_dir=tmp_path, target="gpu"))
     assert "input_ids" in {i.name for i in cfg[POOLING].input}
     assert cfg[ENSEMBLE].ensemble_scheduling.step[1].input_map["input_ids"] == "input_ids"
     assert cfg[POOLING].parameters["special_ids"].string_value == ",".join(map(str, manifest.special_ids))

@@ -77,8 +77,9 @@ async def test_dynamic_batching_happens(backend: TritonBackend, tokenizer: Query
 async def test_statistics_cover_every_step(backend: TritonBackend, tokenizer: QueryTokenizer) -> None:
     await backend.embed(tokenizer.batch(tokenizer.encode(["eggs"]).ids))
     stats = await backend.statistics()
-    assert {"embedder", "encoder", "pooling"} <= set(stats)
-    for model in ("encoder", "pooling"):
+    # The CPU repository pools inside the encoder (one Python-backend hop): no separate pooling step.
+    assert {"embedder", "encoder"} <= set(stats) and "pooling" not in stats
+    for model in ("embedder", "encoder"):
         s = stats[model]
         assert s["success_count"] > 0 and s["compute_infer_ns"] > 0 and s["queue_ns"] >= 0
 
@@ -171,14 +172,16 @@ def own_server(settings: Settings, model_dir: Path, tmp_path_factory: pytest.Tem
     reason = triton_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    # int8 here, so the selectable variant is covered without a third server.
-    server = TritonServer(triton_settings(settings, tmp_path_factory.mktemp("triton-faults")), variant="int8")
+    # int8 and the two-step layout (pooling as its own model, as on the GPU target) here, so the
+    # selectable variant and layout are covered without a third server.
+    s = triton_settings(settings, tmp_path_factory.mktemp("triton-faults")).with_section("triton", cpu_pooling="step")
+    server = TritonServer(s, variant="int8")
     server.start()
     yield server
     server.stop()
 
 
-async def test_int8_variant_serves_its_own_model(own_server: TritonServer, manifest: Manifest, model_dir: Path,
+async def test_int8_two_step_layout_serves_its_own_model(own_server: TritonServer, manifest: Manifest, model_dir: Path,
                                                  tokenizer: QueryTokenizer) -> None:
     if "int8" not in manifest.variants:
         pytest.skip("the model has no int8 variant")
@@ -189,6 +192,8 @@ async def test_int8_variant_serves_its_own_model(own_server: TritonServer, manif
         batch = tokenizer.batch(tokenizer.encode(TEXTS).ids)
         assert b.version_id == ref.version_id == manifest.variant_id("int8")
         assert _cos(await b.embed(batch), ref.embed_sync(batch)).min() >= 0.9999
+        stats = await b.statistics()
+        assert stats["pooling"]["success_count"] > 0, "the ensemble did not go through the pooling step"
     finally:
         await b.close()
         await ref.close()

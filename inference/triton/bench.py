@@ -1,7 +1,11 @@
 """`embedcar triton bench`: single-query latency through Triton vs the embedded backend vs raw ORT.
 
-For each shape the three paths run interleaved (raw ORT, embedded, Triton, raw ORT, ...) so
-machine noise hits them alike. Triton's statistics API, read before and after, splits the Triton
+For each shape the three paths run in alternating blocks (50 raw ORT calls, 50 Triton, 50
+embedded, 50 raw ORT, ...) so slow drifts of the machine hit them alike, while each path runs in
+its steady state: call by call interleaving made every path pay for the others (each process
+streams its own 90 MB copy of the fp32 weights through the shared L3, and the embedded session's
+threads spin on after each call). The first calls of every block settle the caches and are not
+counted. Triton's statistics API, read before and after, splits the Triton
 time per ensemble step (queue, compute input/infer/output), so the cost of the hop is visible.
 Timings are for the machine the command runs on; the report says so.
 """
@@ -25,9 +29,12 @@ from inference.files import atomic_write_text
 from inference.manifest import Manifest, load_manifest
 from inference.settings import Settings
 from inference.tokenizer import TokenBatch
-from inference.triton.repository import cpu_sizing
+from inference.triton.repository import ENSEMBLE, cpu_sizing
+from inference.triton.trace import WHOLE, phase_table
 
 STEP_KEYS = ("queue", "compute_input", "compute_infer", "compute_output")
+BLOCK = 50  # calls per path before switching to the next path
+SETTLE = 5  # first calls of each block, not counted
 
 
 @dataclass(slots=True)
@@ -50,6 +57,10 @@ class BenchReport:
     results: list[PathResult] = field(default_factory=list)
     # shape -> model -> step -> mean microseconds per request
     steps_us: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    # shape -> (first, last) time.monotonic_ns() of its calls, to pick its requests out of a trace
+    windows_ns: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # with --trace: shape -> model -> phase -> (P50 µs, P95 µs) from Triton's per-request traces
+    phases_us: dict[str, dict[str, dict[str, tuple[float, float]]]] = field(default_factory=dict)
 
     def markdown(self) -> str:
         lines = [f"Triton hop benchmark, {self.when} on {self.host} (variant {self.variant}, ORT threads "
@@ -72,6 +83,18 @@ class BenchReport:
         for shape, models in self.steps_us.items():
             for model, st in models.items():
                 lines.append(f"| {shape} | {model} | " + " | ".join(f"{st.get(k, 0.0):.0f}" for k in STEP_KEYS) + " |")
+        if self.phases_us:
+            lines += ["", "Per-request phases from Triton's traces, P50 / P95 µs (a traced run: tracing itself "
+                      "adds a little), and what is left for the client and the loopback hop:", "",
+                      "| shape | model | phase | P50 µs | P95 µs |", "|---|---|---|---|---|"]
+            for shape, traced in self.phases_us.items():
+                for model, phases in traced.items():
+                    for phase, (mid, tail) in phases.items():
+                        lines.append(f"| {shape} | {model} | {phase} | {mid:.0f} | {tail:.0f} |")
+                tri, whole = by.get((shape, "triton ensemble")), traced.get(ENSEMBLE, {}).get(WHOLE)
+                if tri is not None and whole is not None:
+                    lines.append(f"| {shape} | client | gRPC client + loopback (end to end - server, P50) | "
+                                 f"{tri.p50_ms * 1000 - whole[0]:.0f} | |")
         return "\n".join(lines) + "\n"
 
 
@@ -112,7 +135,9 @@ def _step_delta(before: dict[str, dict[str, float | int]], after: dict[str, dict
 
 
 async def run(settings: Settings, url: str, *, shapes: Sequence[tuple[int, int]] = ((1, 16), (1, 32), (1, 64)),
-              reps: int = 300, warmup: int = 30) -> BenchReport:
+              reps: int = 300, warmup: int = 30, others: dict[str, str] | None = None) -> BenchReport:
+    """`others`: more Triton servers (path name -> gRPC address) timed in the same blocks, e.g. the
+    two-step repository layout next to the fused one."""
     model_dir = settings.model.model_dir
     manifest = load_manifest(model_dir)
     variant = settings.model.variant
@@ -123,36 +148,55 @@ async def run(settings: Settings, url: str, *, shapes: Sequence[tuple[int, int]]
     embedded.warm_up()
     triton = TritonBackend([url], manifest, variant=variant, timeout_s=10.0)
     await triton.start()
+    extra = {name: TritonBackend([u], manifest, variant=variant, timeout_s=10.0) for name, u in (others or {}).items()}
+    for backend in extra.values():
+        await backend.start()
     report = BenchReport(when=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), host=platform.node(),
                          variant=variant, ort_threads=threads, url=url)
     try:
         for b, n in shapes:
             batch = _query_batch(manifest, b, n)
             feed = {k: v for k, v in batch.arrays().items() if k in onnx_inputs}
-            times: dict[str, list[float]] = {"raw ORT": [], "embedded": [], "triton ensemble": []}
-            stats_before: dict[str, dict[str, float | int]] = {}
-            for i in range(warmup + reps):
-                if i == warmup:
-                    stats_before = await triton.statistics()
-                t0 = time.perf_counter()
-                sess.run(["last_hidden_state"], feed)
-                t1 = time.perf_counter()
-                embedded.embed_sync(batch)
-                t2 = time.perf_counter()
-                await triton.embed(batch)
-                t3 = time.perf_counter()
-                if i >= warmup:
-                    times["raw ORT"].append(t1 - t0)
-                    times["embedded"].append(t2 - t1)
-                    times["triton ensemble"].append(t3 - t2)
+            times: dict[str, list[float]] = {"raw ORT": [], "triton ensemble": [], **{k: [] for k in extra},
+                                             "embedded": []}
+
+            async def call(path: str, batch: TokenBatch = batch, feed: dict[str, Any] = feed) -> None:
+                if path == "raw ORT":
+                    sess.run(["last_hidden_state"], feed)
+                elif path == "embedded":
+                    embedded.embed_sync(batch)
+                else:
+                    await extra.get(path, triton).embed(batch)
+
+            t_start = time.monotonic_ns()
+            for path in times:
+                for _ in range(warmup):
+                    await call(path)
+            stats_before = await triton.statistics()
+            while min(len(ts) for ts in times.values()) < reps:
+                for path, ts in times.items():
+                    for j in range(BLOCK):
+                        t0 = time.perf_counter()
+                        await call(path)
+                        if j >= SETTLE and len(ts) < reps:
+                            ts.append(time.perf_counter() - t0)
             shape = f"{b}x{n}"
+            report.windows_ns[shape] = (t_start, time.monotonic_ns())
             report.steps_us[shape] = _step_delta(stats_before, await triton.statistics())
             for path, ts in times.items():
                 report.results.append(PathResult(shape, path, _pct(ts, 50), _pct(ts, 95), _pct(ts, 99), len(ts)))
     finally:
         await triton.close()
+        for backend in extra.values():
+            await backend.close()
         await embedded.close()
     return report
+
+
+def add_trace(report: BenchReport, trace_file: Path) -> None:
+    """Per shape, the phases of the traced server's requests (read after the server stopped)."""
+    for shape, window in report.windows_ns.items():
+        report.phases_us[shape] = phase_table(trace_file, ensemble=ENSEMBLE, window_ns=window)
 
 
 def save_json(report: BenchReport, path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from inference.cli import model_overrides
-from inference.errors import ModelError, Unavailable
+from inference.errors import InvalidInput, ModelError, Unavailable
 from inference.lifecycle import sigterm_as_interrupt
 from inference.manifest import load_manifest
 from inference.settings import Settings
@@ -72,6 +72,10 @@ def register(sub: Any) -> None:
     bench.add_argument("--warmup", type=int, default=30)
     bench.add_argument("--max-queue-delay-us", type=int, default=None, help="dynamic batching wait (own server)")
     bench.add_argument("--instances", type=int, default=None, help="CPU encoder instances (own server)")
+    bench.add_argument("--compare-step", action="store_true",
+                       help="also start a server with pooling as its own step (cpu_pooling=step) and time it alike")
+    bench.add_argument("--trace", type=Path, default=None,
+                       help="trace every request of the own server into this file and add per-phase P50/P95")
     bench.add_argument("--json", type=Path, default=None, help="also write the report as JSON here")
     bench.set_defaults(func=_bench)
 
@@ -124,25 +128,37 @@ def _build_engine(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from inference.triton.bench import parse_shapes, run, save_json
+    from inference.triton.bench import add_trace, parse_shapes, run, save_json
     from inference.triton.launcher import TritonServer, triton_unavailable_reason
+    from inference.triton.trace import trace_args
 
     s = _settings(args)
     shapes = parse_shapes(args.shapes)
-    server: TritonServer | None = None
+    servers: list[TritonServer] = []
     url = args.url
-    if url is None:
-        reason = triton_unavailable_reason()
-        if reason:
-            raise Unavailable(reason)
-        server = TritonServer(s)
-        server.start()
-        url = server.grpc_url
+    others: dict[str, str] = {}
     try:
-        report = asyncio.run(run(s, url, shapes=shapes, reps=args.reps, warmup=args.warmup))
+        if url is None or args.compare_step:
+            reason = triton_unavailable_reason()
+            if reason:
+                raise Unavailable(reason)
+        if url is None:
+            trace = trace_args(args.trace.resolve()) if args.trace else ()
+            servers.append(TritonServer(s, extra_args=trace).start())
+            url = servers[-1].grpc_url
+        elif args.trace:
+            raise InvalidInput("--trace needs the bench's own server (leave out --url)")
+        if args.compare_step:
+            repo = s.triton.repo_dir
+            step = s.with_section("triton", cpu_pooling="step", repo_dir=repo.with_name(repo.name + "-step"))
+            servers.append(TritonServer(step).start())  # its own free ports
+            others["triton two-step"] = servers[-1].grpc_url
+        report = asyncio.run(run(s, url, shapes=shapes, reps=args.reps, warmup=args.warmup, others=others))
     finally:
-        if server is not None:
+        for server in servers:
             server.stop()
+    if args.trace:
+        add_trace(report, args.trace)  # Triton writes the trace file when it stops
     print(report.markdown())
     if args.json:
         save_json(report, args.json)

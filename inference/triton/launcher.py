@@ -22,6 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
@@ -125,8 +126,9 @@ class TritonServer:
 
     def __init__(self, settings: Settings, *, variant: str | None = None, grpc_port: int | None = None,
                  http_port: int | None = None, metrics_port: int | None = None,
-                 log_file: Path | None = None) -> None:
+                 log_file: Path | None = None, extra_args: Sequence[str] = ()) -> None:
         self.settings = settings
+        self.extra_args = list(extra_args)  # more tritonserver flags, e.g. tracing for a benchmark
         self.variant = variant or settings.model.variant
         self.host = settings.triton.host
         self.grpc_port = grpc_port or free_port(self.host)
@@ -176,6 +178,7 @@ class TritonServer:
             f"--backend-config=python,shm-growth-byte-size={t.shm_growth_mb * mib}",
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
             "--strict-readiness=true", "--exit-timeout-secs=5", "--log-verbose=0",
+            *self.extra_args,
         ]
 
     def _env(self) -> dict[str, str]:

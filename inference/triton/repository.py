@@ -7,12 +7,18 @@ file back for tests and for `embedcar triton repo --check`.
 Targets:
 - cpu: the encoder is a Python-backend model running ONNX Runtime on the manifest's variant
   (the wheel's tritonserver has no ORT or TensorRT backend), KIND_CPU instances sized to the cores.
-- gpu: the encoder is a TensorRT plan (built by trt_engine.py), KIND_GPU x gpu_instances.
+  By default it also pools, in the same stub (`cpu_pooling = fused`): every Python-backend step is
+  an IPC round trip to a stub process, and a separate pooling step cost ~2.5 ms for ~20 us of numpy
+  (docs/benchmarks.md). The ensemble keeps its name and interface, so clients never notice.
+  `cpu_pooling = step` keeps the two-step layout of the GPU target.
+- gpu: the encoder is a TensorRT plan (built by trt_engine.py), KIND_GPU x gpu_instances, followed by
+  the Python-backend pooling step.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +32,7 @@ from inference.manifest import Manifest
 from inference.settings import Settings
 
 TARGETS = ("cpu", "gpu")
+CPU_POOLING = ("fused", "step")
 ENSEMBLE = "embedder"
 ENCODER = "encoder"
 POOLING = "pooling"
@@ -86,6 +93,18 @@ def _batching(cfg: mc.ModelConfig, settings: Settings, delay_us: int) -> None:
     policy.allow_timeout_override = True
 
 
+def pooled_in_encoder(settings: Settings, target: str) -> bool:
+    """Whether the encoder itself emits the embedding (CPU target, fused pooling)."""
+    if settings.triton.cpu_pooling not in CPU_POOLING:
+        raise InvalidInput(f"unknown cpu_pooling {settings.triton.cpu_pooling!r}; expected fused or step")
+    return target == "cpu" and settings.triton.cpu_pooling == "fused"
+
+
+def _pooling_params(cfg: mc.ModelConfig, manifest: Manifest) -> None:
+    _param(cfg, "mode", manifest.pooling)
+    _param(cfg, "special_ids", ",".join(str(i) for i in manifest.special_ids))
+
+
 def _ids_type(target: str) -> int:
     # CPU: int32 ids on the wire (half the bytes), cast inside the encoder. GPU: a TensorRT 10 engine
     # built from the int64 ONNX keeps int64 bindings, and the config must match the engine.
@@ -113,6 +132,10 @@ def encoder_config(settings: Settings, manifest: Manifest, model_dir: Path, *, t
     _param(cfg, "intra_op_threads", sizing.ort_threads)
     _param(cfg, "allow_spinning", int(t.ort_spinning))
     _param(cfg, "sys_path", os.pathsep.join(sys_path))
+    if pooled_in_encoder(settings, target):
+        # Both outputs stay available; the stub computes only those a request asks for.
+        cfg.output.add(name=OUTPUT, data_type=mc.TYPE_FP32, dims=[manifest.dim])
+        _pooling_params(cfg, manifest)
     return cfg
 
 
@@ -126,8 +149,7 @@ def pooling_config(settings: Settings, manifest: Manifest, *, target: str, sys_p
     # Pooling is cheap and runs per request; queue delay 0 = take what is queued, never wait.
     _batching(cfg, settings, 0)
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
-    _param(cfg, "mode", manifest.pooling)
-    _param(cfg, "special_ids", ",".join(str(i) for i in manifest.special_ids))
+    _pooling_params(cfg, manifest)
     _param(cfg, "sys_path", os.pathsep.join(sys_path))
     return cfg
 
@@ -140,6 +162,9 @@ def ensemble_config(settings: Settings, manifest: Manifest, *, target: str) -> m
     enc = cfg.ensemble_scheduling.step.add(model_name=ENCODER, model_version=-1)
     for name in manifest.inputs:
         enc.input_map[name] = name
+    if pooled_in_encoder(settings, target):
+        enc.output_map[OUTPUT] = OUTPUT
+        return cfg
     enc.output_map[HIDDEN] = "_hidden"
     pool = cfg.ensemble_scheduling.step.add(model_name=POOLING, model_version=-1)
     pool.input_map[HIDDEN] = "_hidden"
@@ -175,7 +200,7 @@ def _write_if_changed(path: Path, text: str) -> bool:
 def generate_repository(settings: Settings, manifest: Manifest, model_dir: Path, *, out_dir: Path | None = None,
                         target: str | None = None, variant: str | None = None,
                         project_root: Path | None = None) -> Path:
-    """Write (or refresh) the three models under `out_dir`; returns the repository path.
+    """Write (or refresh) the models under `out_dir`; returns the repository path.
 
     `project_root` overrides where the stub finds the project (e.g. /opt/embedcar in a container);
     its site-packages are then not added, since the container brings its own Python.
@@ -187,17 +212,21 @@ def generate_repository(settings: Settings, manifest: Manifest, model_dir: Path,
     manifest.variant(variant)  # fails clearly on an unknown variant
     repo = (out_dir or settings.triton.repo_dir).resolve()
     sys_path = [str(project_root)] if project_root else stub_sys_path()
-    configs = {
-        ENCODER: encoder_config(settings, manifest, model_dir, target=target, variant=variant, sys_path=sys_path),
-        POOLING: pooling_config(settings, manifest, target=target, sys_path=sys_path),
-        ENSEMBLE: ensemble_config(settings, manifest, target=target),
-    }
+    fused = pooled_in_encoder(settings, target)
+    configs = {ENCODER: encoder_config(settings, manifest, model_dir, target=target, variant=variant,
+                                       sys_path=sys_path)}
+    if not fused:
+        configs[POOLING] = pooling_config(settings, manifest, target=target, sys_path=sys_path)
+    configs[ENSEMBLE] = ensemble_config(settings, manifest, target=target)
     for name, cfg in configs.items():
         _write_if_changed(repo / name / "config.pbtxt", render(cfg))
         load_config(repo / name / "config.pbtxt")
         (repo / name / "1").mkdir(parents=True, exist_ok=True)
-    for name in (POOLING, *((ENCODER,) if target == "cpu" else ())):
+    for name in ((ENCODER,) if target == "cpu" else ()) + (() if fused else (POOLING,)):
         _write_if_changed(repo / name / "1" / "model.py", (MODEL_CODE / name / "model.py").read_text())
+    if fused:
+        # An unused pooling model would still start (and idle) a stub process of its own.
+        shutil.rmtree(repo / POOLING, ignore_errors=True)
     if target == "cpu":
         (repo / ENCODER / "1" / PLAN_FILE).unlink(missing_ok=True)
     else:

@@ -2,6 +2,9 @@
 
 Copied into <repo>/encoder/1/model.py by `embedcar triton repo --target cpu`. Runs inside the
 backend stub's own Python: the project and venv paths come from the `sys_path` config parameter.
+With fused pooling (the config has a `mode` parameter) it can also emit `embedding`, pooled here
+by `inference.pooling.pool` (the function every backend uses), which saves the ensemble a second
+Python-backend hop; it computes only the outputs a request asks for.
 """
 
 from __future__ import annotations
@@ -50,6 +53,26 @@ class TritonPythonModel:
         opts.log_severity_level = 3
         self.sess: Any = ort.InferenceSession(params["onnx_path"], opts, providers=["CPUExecutionProvider"])
         self.inputs = [i.name for i in self.sess.get_inputs()]
+        self.pool: Any = None
+        if "mode" in params:
+            from inference.pooling import check_mode, pool
+
+            self.pool = pool
+            self.mode = check_mode(params["mode"])
+            self.special_ids = tuple(int(x) for x in params.get("special_ids", "").split(",") if x)
+
+    def _outputs(self, request: Any, feed: dict[str, Any], hidden: Any) -> list[Any]:
+        wanted = set(request.requested_output_names()) or {"last_hidden_state"}
+        out = []
+        if "last_hidden_state" in wanted:
+            out.append(pb_utils.Tensor.from_dlpack("last_hidden_state", hidden))
+        if "embedding" in wanted:
+            if self.pool is None:
+                raise ValueError("this encoder was configured without pooling")
+            emb = self.pool(hidden, feed["attention_mask"], self.mode, input_ids=feed["input_ids"],
+                            special_ids=self.special_ids)
+            out.append(pb_utils.Tensor.from_dlpack("embedding", emb))
+        return out
 
     def _feed(self, request: Any) -> dict[str, Any]:
         feed: dict[str, Any] = {}
@@ -87,8 +110,8 @@ class TritonPythonModel:
                 for i, p in zip(idx, parts, strict=True):
                     assert p is not None
                     n = p["input_ids"].shape[0]
-                    out = pb_utils.Tensor.from_dlpack("last_hidden_state", hidden[start : start + n])
-                    responses[i] = pb_utils.InferenceResponse(output_tensors=[out])
+                    outs = self._outputs(requests[i], p, hidden[start : start + n])
+                    responses[i] = pb_utils.InferenceResponse(output_tensors=outs)
                     start += n
             except Exception as exc:
                 for i in idx:
