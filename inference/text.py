@@ -23,7 +23,9 @@ def normalize(text: str, *, lowercase: bool) -> str:
 
     Two texts with the same normalised form tokenize identically, so this is a safe cache key.
     """
-    out = _SPACE.sub(" ", unicodedata.normalize("NFKC", text)).strip()
+    # ASCII: NFKC leaves it as it is and str.split() splits on exactly what \s+ matches, so the
+    # same result in ~2 µs instead of ~7 (this runs on every request, hits included).
+    out = " ".join(text.split()) if text.isascii() else _SPACE.sub(" ", unicodedata.normalize("NFKC", text)).strip()
     return out.lower() if lowercase else out
 
 

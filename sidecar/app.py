@@ -1,7 +1,7 @@
 """The Sidecar: objects built in __init__ (no I/O), servers started in `start()`, graceful `stop()`.
 
-    async with Sidecar(settings) as sc:      # gRPC on sc.grpc_target, HTTP on sc.http_port
-        ...
+    async with Sidecar(settings) as sc:      # gRPC on sc.grpc_target, HTTP on sc.http_port,
+        ...                                  # gRPC also on sc.uds_target if sidecar.uds_path is set
 
 `SidecarThread` runs one on its own event loop in a background thread (tests, benchmarks).
 """
@@ -36,6 +36,7 @@ from sidecar.metrics import Metrics
 from sidecar.ratelimit import RateLimiter
 from sidecar.search_index import IndexHolder
 from sidecar.service import EmbedService, Runner, direct_runner
+from sidecar.unix_socket import UnixSocket
 
 if TYPE_CHECKING:
     import grpc
@@ -95,6 +96,7 @@ class Sidecar:
                                     limiter=RateLimiter(s.rate_per_s, s.burst), cache=self.cache,
                                     admission=self.admission, metrics=self.metrics, runner=runner, index=self.index)
         self.grpc_port = 0
+        self.uds: UnixSocket | None = None
         self.http_port: int | None = None
         self.serving = False
         self._health: HealthServicer | None = None
@@ -108,6 +110,11 @@ class Sidecar:
     @property
     def grpc_target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def uds_target(self) -> str | None:
+        """`unix:/abs/path` of the Unix socket gRPC also listens on, or None (sidecar.uds_path unset)."""
+        return self.uds.target if self.uds is not None else None
 
     def _on_batch(self, rows: int, length: int, seconds: float) -> None:
         self.admission.observe(rows * length, seconds)
@@ -130,7 +137,7 @@ class Sidecar:
         self._health = HealthServicer()
         await self._set_health(False)  # NOT_SERVING until the backend is warm
         servicer = EmbedderServicer(self.service, self.metrics)
-        self._grpc, self.grpc_port = create_server(s, servicer, self._health)
+        self._grpc, self.grpc_port, self.uds = create_server(s, servicer, self._health)
         await self._grpc.start()
         if s.http_port >= 0:
             await self._start_http(s.host, s.http_port, s.max_message_bytes)
@@ -147,7 +154,8 @@ class Sidecar:
         self.service.mark_backend(True)
         await self._set_health(True)
         self._monitor = loop.create_task(self._watch_backend(), name="backend-health")
-        log.info("sidecar serving model %s on grpc %s:%d, http %s", self.service.model, s.host, self.grpc_port,
+        log.info("sidecar serving model %s on grpc %s:%d%s, http %s", self.service.model, s.host, self.grpc_port,
+                 f" and {self.uds.path}" if self.uds is not None else "",
                  self.http_port if self.http_port is not None else "off")
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -163,6 +171,8 @@ class Sidecar:
         if self._grpc is not None:
             await self._grpc.stop(grace)  # refuses new calls, lets in-flight ones finish within `grace`
             self._grpc = None
+        if self.uds is not None:
+            self.uds.remove()
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):

@@ -9,6 +9,7 @@ Cases (sequential requests, one at a time: typeahead latency, not throughput):
   overload         open-loop load beyond capacity (with --overload-qps): accepted requests' latency
                    against the unloaded miss latency, and how fast the excess is refused
 The sidecar runs in its own process (as deployed), so client and server do not share a GIL.
+The client calls it over loopback TCP, or with --uds over a Unix socket (report field `transport`).
 sidecar_miss minus raw_ort is what the sidecar adds on a miss; sidecar_hit is the whole hit path.
 """
 
@@ -22,6 +23,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -89,25 +91,33 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def sidecar_process(settings: Settings, extra: list[str]) -> Iterator[str]:
-    """`embedcar sidecar serve` in a child process on a free port; yields its gRPC target."""
+def sidecar_process(settings: Settings, extra: list[str], *, uds: bool = False) -> Iterator[str]:
+    """`embedcar sidecar serve` in a child process on a free port; yields its gRPC target.
+
+    uds: the child also listens on a Unix socket in a fresh temporary folder, and the target is that socket.
+    """
     port = free_port()
     m = settings.model
-    cmd = [sys.executable, "-m", "inference.cli_main", "sidecar", "serve", "--grpc-port", str(port),
-           "--http-port", "-1", "--models-dir", str(m.models_dir), "--model", m.name, "--variant", m.variant,
-           "--threads", str(m.intra_op_threads), *extra]
-    proc = subprocess.Popen(cmd, env=os.environ.copy())
-    target = f"127.0.0.1:{port}"
-    try:
-        wait_serving(target, proc, timeout_s=180)
-        yield target
-    finally:
-        proc.terminate()
+    with contextlib.ExitStack() as stack:
+        target = f"127.0.0.1:{port}"
+        if uds:
+            sock = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="embedcar-bench-"))) / "grpc.sock"
+            extra = [*extra, "--uds-path", str(sock)]
+            target = f"unix:{sock}"
+        cmd = [sys.executable, "-m", "inference.cli_main", "sidecar", "serve", "--grpc-port", str(port),
+               "--http-port", "-1", "--models-dir", str(m.models_dir), "--model", m.name, "--variant", m.variant,
+               "--threads", str(m.intra_op_threads), *extra]
+        proc = subprocess.Popen(cmd, env=os.environ.copy())
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            wait_serving(target, proc, timeout_s=180)
+            yield target
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def wait_serving(target: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -212,7 +222,8 @@ def bench_raw_triton(settings: Settings, tokenizer: QueryTokenizer, queries: lis
 
 
 def run_bench(settings: Settings, *, requests: int = 300, start_triton: bool = False, overload_qps: float = 0.0,
-              overload_s: float = 5.0, overload_deadline_ms: float = 50.0, out: Path | None = None) -> dict[str, Any]:
+              overload_s: float = 5.0, overload_deadline_ms: float = 50.0, uds: bool = False,
+              out: Path | None = None) -> dict[str, Any]:
     m = settings.model
     manifest = load_manifest(m.model_dir)
     tokenizer = load_tokenizer(m.model_dir, manifest)
@@ -220,10 +231,11 @@ def run_bench(settings: Settings, *, requests: int = 300, start_triton: bool = F
     warm, measured, triton_queries = queries[:50], queries[50:50 + requests], queries[50 + requests:]
     report: dict[str, Any] = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "host": os.uname().nodename,
                               "cpus": os.cpu_count(), "requests": requests, "model": manifest.variant_id(m.variant),
+                              "transport": "uds" if uds else "tcp",
                               "note": "sequential requests, one query each, 16-32 tokens", "cases": {}}
     cases = report["cases"]
     cases["raw_ort"] = bench_raw_ort(settings, tokenizer, measured)
-    with sidecar_process(settings, ["--backend", "embedded"]) as target:
+    with sidecar_process(settings, ["--backend", "embedded"], uds=uds) as target:
         cases["sidecar_embedded"] = bench_client(target, measured, warm)
         if overload_qps > 0:
             fresh = make_queries(tokenizer, int(overload_qps * overload_s), seed=11)
@@ -234,10 +246,11 @@ def run_bench(settings: Settings, *, requests: int = 300, start_triton: bool = F
         with TritonServer(settings, variant=m.variant) as triton:
             ts = settings.with_section("triton", urls=(triton.grpc_url,))
             cases["raw_triton"] = bench_raw_triton(ts, tokenizer, triton_queries)
-            with sidecar_process(ts, ["--backend", "triton", "--triton-url", triton.grpc_url]) as target:
+            with sidecar_process(ts, ["--backend", "triton", "--triton-url", triton.grpc_url], uds=uds) as target:
                 cases["sidecar_triton"] = bench_client(target, triton_queries, warm)
     emb = cases["sidecar_embedded"]
     summary = {
+        "transport": report["transport"],
         "raw_ort_p95_ms": cases["raw_ort"]["p95_ms"],
         "hit_p50_ms": emb["hit"]["median_ms"], "hit_p95_ms": emb["hit"]["p95_ms"],
         "miss_embedded_p50_ms": emb["miss"]["median_ms"], "miss_embedded_p95_ms": emb["miss"]["p95_ms"],

@@ -20,6 +20,8 @@ def add_sidecar_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     p.add_argument("--host", default=None, help="bind address (EMBEDCAR_SIDECAR_HOST); non-loopback needs keys")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port, 0 = free (EMBEDCAR_SIDECAR_GRPC_PORT)")
+    p.add_argument("--uds-path", type=Path, default=None,
+                   help="also serve gRPC on this Unix socket, mode 0660 (EMBEDCAR_SIDECAR_UDS_PATH)")
     p.add_argument("--http-port", type=int, default=None,
                    help="HTTP facade port, 0 = free, -1 = off (EMBEDCAR_SIDECAR_HTTP_PORT)")
     p.add_argument("--backend", choices=("embedded", "triton"), default=None, help="EMBEDCAR_SIDECAR_BACKEND")
@@ -36,7 +38,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "model": {"models_dir": Path(args.models_dir) if args.models_dir else None, "name": args.model_name,
                   "variant": args.variant, "intra_op_threads": args.threads},
         "triton": {"urls": tuple(args.triton_url) if args.triton_url else None},
-        "sidecar": {"host": args.host, "grpc_port": args.grpc_port, "http_port": args.http_port,
+        "sidecar": {"host": args.host, "grpc_port": args.grpc_port, "uds_path": args.uds_path,
+                    "http_port": args.http_port,
                     "backend": args.backend, "index_dir": args.index_dir, "api_keys_file": args.api_keys_file,
                     "warm_queries_file": args.warm_queries, "cache_entries": args.cache_entries},
     })
@@ -57,6 +60,8 @@ def register(sub: Any) -> None:
                        help="also offer this many new queries/s open-loop (beyond capacity) to test backpressure")
     bench.add_argument("--overload-seconds", type=float, default=5.0, help="duration of the overload run")
     bench.add_argument("--overload-deadline-ms", type=float, default=50.0, help="client deadline in the overload run")
+    bench.add_argument("--uds", action="store_true", help="the measured sidecars also listen on a Unix "
+                       "socket in a temporary folder and the client calls them over it instead of loopback TCP")
     bench.add_argument("--out", type=Path, default=Path("reports/bench_sidecar.json"), help="JSON report path")
     bench.set_defaults(func=_bench)
 
@@ -78,6 +83,7 @@ async def _serve_async(settings: Settings) -> None:
     sidecar = Sidecar(settings)
     await sidecar.start()
     print(f"sidecar ready: grpc {settings.sidecar.host}:{sidecar.grpc_port}"
+          f"{f', grpc {sidecar.uds_target}' if sidecar.uds_target is not None else ''}"
           f"{f', http {settings.sidecar.host}:{sidecar.http_port}' if sidecar.http_port is not None else ''}",
           flush=True)
     await stop.wait()
@@ -90,6 +96,6 @@ def _bench(args: argparse.Namespace) -> int:
 
     report = run_bench(settings_from_args(args), requests=args.requests, start_triton=args.start_triton,
                        overload_qps=args.overload_qps, overload_s=args.overload_seconds,
-                       overload_deadline_ms=args.overload_deadline_ms, out=args.out)
+                       overload_deadline_ms=args.overload_deadline_ms, uds=args.uds, out=args.out)
     print(json.dumps(report["summary"], indent=2))
     return 0

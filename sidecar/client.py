@@ -4,6 +4,8 @@
         r = c.embed(["oat milk"])          # r.embeddings: [1, 384] float32
         s = c.search(["oat milk"], k=5)    # s.hits[0][0].id, .score, .fields
 
+A target is anything grpc dials: `host:port`, or `unix:/abs/path` (also `unix:///abs/path`) for the
+sidecar's Unix socket (sidecar.uds_path), which same-host callers should prefer (~0.15 ms less per call).
 Failures raise inference.errors types (Unauthenticated, Overloaded, InvalidInput, Unavailable,
 DeadlineExceeded, Internal); Overloaded carries the server's retry_after_s hint.
 """

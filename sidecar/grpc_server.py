@@ -22,6 +22,7 @@ from sidecar.errors import RETRY_AFTER_KEY, grpc_code
 from sidecar.metrics import Metrics
 from sidecar.proto import embedcar_pb2 as pb
 from sidecar.service import EmbedService
+from sidecar.unix_socket import UnixSocket, bind_unix_socket, prepare_unix_socket
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
 API_KEY = "x-api-key"
@@ -111,8 +112,10 @@ class EmbedderServicer:
 
 
 def create_server(settings: SidecarSettings, servicer: EmbedderServicer,
-                  health: HealthServicer) -> tuple[grpc.aio.Server, int]:
-    """A configured, unstarted server bound to settings.host:grpc_port (0 = free port)."""
+                  health: HealthServicer) -> tuple[grpc.aio.Server, int, UnixSocket | None]:
+    """A configured, unstarted server bound to settings.host:grpc_port (0 = free port), and to the
+    Unix socket settings.uds_path when set (no network reach: the bind check does not apply to it)."""
+    uds_path = prepare_unix_socket(settings.uds_path) if settings.uds_path is not None else None
     limit = settings.max_message_bytes
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", limit),
@@ -130,7 +133,8 @@ def create_server(settings: SidecarSettings, servicer: EmbedderServicer,
     host = settings.host
     address = f"[{host}]:{settings.grpc_port}" if ":" in host else f"{host}:{settings.grpc_port}"
     port = server.add_insecure_port(address)
-    return server, port
+    uds = bind_unix_socket(server, uds_path) if uds_path is not None else None
+    return server, port, uds
 
 
 def health_status(serving: bool) -> Any:

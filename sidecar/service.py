@@ -241,8 +241,12 @@ class EmbedService:
             tm["tokenize"] = t1 - t0
             ticket = self.admission.admit(len(texts), sum(b * len(c) for b, c in calls), deadline)
             try:
-                results = await asyncio.gather(
-                    *(self._run(bucket, [enc.ids[i] for i in chunk], deadline) for bucket, chunk in calls))
+                if len(calls) == 1:  # the usual case: no task per call
+                    ((bucket, chunk),) = calls
+                    results = [await self._run(bucket, [enc.ids[i] for i in chunk], deadline)]
+                else:
+                    results = await asyncio.gather(
+                        *(self._run(bucket, [enc.ids[i] for i in chunk], deadline) for bucket, chunk in calls))
             finally:
                 self.admission.release(ticket)
         except BaseException as exc:

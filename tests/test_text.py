@@ -1,6 +1,11 @@
 from __future__ import annotations
 
+import re
+import unicodedata
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from inference.errors import InvalidInput
 from inference.text import check_texts, decode_utf8, normalize
@@ -30,3 +35,12 @@ def test_decode_rejects_invalid_utf8() -> None:
 def test_bad_batches_get_clear_errors(texts: list[object], message: str) -> None:
     with pytest.raises(InvalidInput, match=message):
         check_texts(texts, max_batch=4)
+
+
+@given(st.text(alphabet=st.characters(max_codepoint=127), max_size=60))
+def test_ascii_fast_path_equals_the_general_rule(text: str) -> None:
+    # normalize() skips NFKC and the regex for ASCII; the result must be what the general rule gives,
+    # control characters and the ASCII separators (\x1c-\x1f) included.
+    for lowercase in (True, False):
+        general = re.sub(r"\s+", " ", unicodedata.normalize("NFKC", text)).strip()
+        assert normalize(text, lowercase=lowercase) == (general.lower() if lowercase else general)

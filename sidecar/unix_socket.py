@@ -1,0 +1,98 @@
+"""The sidecar's Unix-socket endpoint: callers on the same host skip the TCP stack.
+
+gRPC listens on the socket file itself; this module prepares the path (folder, stale file from a
+crashed run), restricts who may connect (file mode), and removes the file at shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from inference.errors import InvalidInput, Unavailable
+
+log = logging.getLogger(__name__)
+
+_SUN_PATH_MAX = 107  # bytes of sockaddr_un.sun_path (Linux), less the terminating NUL
+UDS_MODE = 0o660  # owner and group may connect; nobody else
+
+
+@dataclass(frozen=True, slots=True)
+class UnixSocket:
+    """A Unix socket the server listens on. `remove()` deletes the file only while it is still ours."""
+
+    path: Path  # absolute
+    ident: tuple[int, int]  # (st_dev, st_ino) right after bind
+
+    @property
+    def target(self) -> str:
+        return f"unix:{self.path}"
+
+    def remove(self) -> None:
+        try:
+            st = self.path.lstat()
+        except FileNotFoundError:
+            return  # grpc may already have removed it at shutdown
+        if stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) == self.ident:
+            self.path.unlink(missing_ok=True)
+
+
+def prepare_unix_socket(path: Path) -> Path:
+    """The absolute socket path, its folder created, a stale socket left by a crashed run removed.
+
+    Refuses a path that exists and is not a socket, and a socket another process still serves on.
+    """
+    path = path.expanduser().absolute()
+    if len(bytes(path)) > _SUN_PATH_MAX:
+        raise InvalidInput(f"Unix socket path {path} is longer than {_SUN_PATH_MAX} bytes: choose a shorter one")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidInput(f"cannot create the folder of Unix socket {path}: {exc.strerror}") from exc
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return path
+    if not stat.S_ISSOCK(st.st_mode):
+        raise InvalidInput(f"refusing to serve on Unix socket {path}: the path exists and is not a socket "
+                           "(remove it or choose another path)")
+    if _serving(path):
+        raise Unavailable(f"another process is serving on Unix socket {path}")
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        raise InvalidInput(f"cannot remove stale Unix socket {path}: {exc.strerror}") from exc
+    log.info("removed stale Unix socket %s (left by an earlier run)", path)
+    return path
+
+
+def _serving(path: Path) -> bool:
+    """Whether a process accepts connections on the socket file `path` (refused = stale file)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except TimeoutError:
+            return True  # a live listener with a full backlog
+        except OSError as exc:
+            raise InvalidInput(f"cannot check Unix socket {path}: {exc.strerror}") from exc
+    return True
+
+
+def bind_unix_socket(server: grpc.aio.Server, path: Path) -> UnixSocket:
+    """Listen on the prepared socket `path` too, and restrict it to owner and group (UDS_MODE)."""
+    try:
+        server.add_insecure_port(f"unix:{path}")
+    except RuntimeError as exc:
+        raise Unavailable(f"cannot listen on Unix socket {path}: {exc}") from exc
+    st = path.lstat()
+    # Right after bind, before the server starts (the file was created with the process umask's mode).
+    path.chmod(UDS_MODE)
+    return UnixSocket(path, (st.st_dev, st.st_ino))
