@@ -74,7 +74,7 @@ class SidecarSettings:
     host: str = _f("127.0.0.1", "Address the sidecar binds to; non-loopback requires API keys.")
     grpc_port: int = _f(50051, "Sidecar gRPC port (0 = pick a free one).")
     uds_path: Path | None = _f(
-        None, "Also serve gRPC on this Unix socket (same-host callers skip TCP; ~0.15 ms faster per call)."
+        None, "Also serve gRPC on this Unix socket, mode 0660 (same-host callers; access by file permissions)."
     )
     http_port: int = _f(8080, "HTTP facade port (0 = pick a free one, -1 = off).")
     backend: str = _f("embedded", "Inference backend: embedded (in-process ORT) or triton.")

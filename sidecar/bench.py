@@ -9,7 +9,9 @@ Cases (sequential requests, one at a time: typeahead latency, not throughput):
   overload         open-loop load beyond capacity (with --overload-qps): accepted requests' latency
                    against the unloaded miss latency, and how fast the excess is refused
 The sidecar runs in its own process (as deployed), so client and server do not share a GIL.
-The client calls it over loopback TCP, or with --uds over a Unix socket (report field `transport`).
+The client calls it over loopback TCP, or with --uds over a Unix socket (report field `transport`);
+with --uds, `hit_by_transport` also times cache hits over both transports of the same sidecar in
+alternating blocks, the fair A/B of the transport.
 sidecar_miss minus raw_ort is what the sidecar adds on a miss; sidecar_hit is the whole hit path.
 """
 
@@ -91,8 +93,8 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def sidecar_process(settings: Settings, extra: list[str], *, uds: bool = False) -> Iterator[str]:
-    """`embedcar sidecar serve` in a child process on a free port; yields its gRPC target.
+def sidecar_process(settings: Settings, extra: list[str], *, uds: bool = False) -> Iterator[tuple[str, str]]:
+    """`embedcar sidecar serve` in a child process on a free port; yields (its gRPC target, its TCP target).
 
     uds: the child also listens on a Unix socket in a fresh temporary folder, and the target is that socket.
     """
@@ -110,7 +112,7 @@ def sidecar_process(settings: Settings, extra: list[str], *, uds: bool = False) 
         proc = subprocess.Popen(cmd, env=os.environ.copy())
         try:
             wait_serving(target, proc, timeout_s=180)
-            yield target
+            yield target, f"127.0.0.1:{port}"
         finally:
             proc.terminate()
             try:
@@ -155,6 +157,27 @@ def bench_client(target: str, queries: list[str], warm: list[str]) -> dict[str, 
     return {"miss": stats_ms(miss_lat), "hit": stats_ms(hit_lat),
             "miss_outside_inference": stats_ms([t - i for t, i in zip(miss_lat, miss_inference, strict=True)]),
             "miss_server_stages_median_us": stages(miss), "hit_server_stages_median_us": stages(hit)}
+
+
+def bench_hit_transports(targets: dict[str, str], query: str, n: int, *, block: int = 50) -> dict[str, Any]:
+    """Cache hits of one query over each transport in alternating blocks (first 5 calls of a block
+    not counted), so both see the same machine; the query must be cached already."""
+    lat: dict[str, list[float]] = {name: [] for name in targets}
+    clients = {name: Client(t) for name, t in targets.items()}
+    try:
+        for c in clients.values():
+            c.embed([query])
+        while min(len(v) for v in lat.values()) < n:
+            for name, c in clients.items():
+                for j in range(block):
+                    t0 = time.perf_counter()
+                    c.embed([query])
+                    if j >= 5 and len(lat[name]) < n:
+                        lat[name].append(time.perf_counter() - t0)
+    finally:
+        for c in clients.values():
+            c.close()
+    return {name: stats_ms(v) for name, v in lat.items()}
 
 
 async def _open_loop(target: str, queries: list[str], qps: float, deadline_s: float) -> list[tuple[str, float]]:
@@ -235,8 +258,10 @@ def run_bench(settings: Settings, *, requests: int = 300, start_triton: bool = F
                               "note": "sequential requests, one query each, 16-32 tokens", "cases": {}}
     cases = report["cases"]
     cases["raw_ort"] = bench_raw_ort(settings, tokenizer, measured)
-    with sidecar_process(settings, ["--backend", "embedded"], uds=uds) as target:
+    with sidecar_process(settings, ["--backend", "embedded"], uds=uds) as (target, tcp):
         cases["sidecar_embedded"] = bench_client(target, measured, warm)
+        if uds:
+            cases["hit_by_transport"] = bench_hit_transports({"tcp": tcp, "uds": target}, measured[0], requests)
         if overload_qps > 0:
             fresh = make_queries(tokenizer, int(overload_qps * overload_s), seed=11)
             cases["overload_embedded"] = bench_overload(target, fresh, overload_qps, overload_deadline_ms / 1e3)
@@ -246,7 +271,8 @@ def run_bench(settings: Settings, *, requests: int = 300, start_triton: bool = F
         with TritonServer(settings, variant=m.variant) as triton:
             ts = settings.with_section("triton", urls=(triton.grpc_url,))
             cases["raw_triton"] = bench_raw_triton(ts, tokenizer, triton_queries)
-            with sidecar_process(ts, ["--backend", "triton", "--triton-url", triton.grpc_url], uds=uds) as target:
+            extra = ["--backend", "triton", "--triton-url", triton.grpc_url]
+            with sidecar_process(ts, extra, uds=uds) as (target, _tcp):
                 cases["sidecar_triton"] = bench_client(target, triton_queries, warm)
     emb = cases["sidecar_embedded"]
     summary = {
@@ -256,6 +282,9 @@ def run_bench(settings: Settings, *, requests: int = 300, start_triton: bool = F
         "miss_embedded_p50_ms": emb["miss"]["median_ms"], "miss_embedded_p95_ms": emb["miss"]["p95_ms"],
         "sidecar_added_on_miss_p95_ms": emb["miss_outside_inference"]["p95_ms"],
     }
+    if "hit_by_transport" in cases:
+        summary |= {f"hit_{name}_p50_p95_ms": [v["median_ms"], v["p95_ms"]]
+                    for name, v in cases["hit_by_transport"].items()}
     if "sidecar_triton" in cases:
         summary |= {"raw_triton_p95_ms": cases["raw_triton"]["p95_ms"],
                     "miss_triton_p50_ms": cases["sidecar_triton"]["miss"]["median_ms"],
