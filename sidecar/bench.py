@@ -11,7 +11,9 @@ Cases (sequential requests, one at a time: typeahead latency, not throughput):
 The sidecar runs in its own process (as deployed), so client and server do not share a GIL.
 The client calls it over loopback TCP, or with --uds over a Unix socket (report field `transport`);
 with --uds, `hit_by_transport` also times cache hits over both transports of the same sidecar in
-alternating blocks, the fair A/B of the transport.
+alternating blocks, the fair A/B of the transport. With --floor, `hit_vs_floor` times cache hits
+against a do-nothing gRPC server with the same reply (sidecar/floor.py) in the same way: the part
+of a hit that any Python gRPC service pays on this host.
 sidecar_miss minus raw_ort is what the sidecar adds on a miss; sidecar_hit is the whole hit path.
 """
 
@@ -159,9 +161,32 @@ def bench_client(target: str, queries: list[str], warm: list[str]) -> dict[str, 
             "miss_server_stages_median_us": stages(miss), "hit_server_stages_median_us": stages(hit)}
 
 
-def bench_hit_transports(targets: dict[str, str], query: str, n: int, *, block: int = 50) -> dict[str, Any]:
-    """Cache hits of one query over each transport in alternating blocks (first 5 calls of a block
-    not counted), so both see the same machine; the query must be cached already."""
+@contextlib.contextmanager
+def floor_process(dim: int) -> Iterator[str]:
+    """The do-nothing Embedder server (sidecar/floor.py) in a child process; yields its target."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sidecar.floor", "--port", str(port), "--dim", str(dim)])
+    target = f"127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 60
+        with Client(target) as c:
+            while True:
+                try:
+                    c.embed(["ping"], timeout_s=1.0)
+                    break
+                except EmbedcarError:
+                    if proc.poll() is not None or time.monotonic() > end:
+                        raise
+                    time.sleep(0.1)
+        yield target
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def bench_hits_alternating(targets: dict[str, str], query: str, n: int, *, block: int = 50) -> dict[str, Any]:
+    """One query, again and again, to each target in alternating blocks (first 5 calls of a block
+    not counted), so all see the same machine; on a sidecar the query must be cached already."""
     lat: dict[str, list[float]] = {name: [] for name in targets}
     clients = {name: Client(t) for name, t in targets.items()}
     try:
@@ -246,7 +271,7 @@ def bench_raw_triton(settings: Settings, tokenizer: QueryTokenizer, queries: lis
 
 def run_bench(settings: Settings, *, requests: int = 300, start_triton: bool = False, overload_qps: float = 0.0,
               overload_s: float = 5.0, overload_deadline_ms: float = 50.0, uds: bool = False,
-              out: Path | None = None) -> dict[str, Any]:
+              floor: bool = False, out: Path | None = None) -> dict[str, Any]:
     m = settings.model
     manifest = load_manifest(m.model_dir)
     tokenizer = load_tokenizer(m.model_dir, manifest)
@@ -261,7 +286,10 @@ def run_bench(settings: Settings, *, requests: int = 300, start_triton: bool = F
     with sidecar_process(settings, ["--backend", "embedded"], uds=uds) as (target, tcp):
         cases["sidecar_embedded"] = bench_client(target, measured, warm)
         if uds:
-            cases["hit_by_transport"] = bench_hit_transports({"tcp": tcp, "uds": target}, measured[0], requests)
+            cases["hit_by_transport"] = bench_hits_alternating({"tcp": tcp, "uds": target}, measured[0], requests)
+        if floor:
+            with floor_process(manifest.dim) as bare:
+                cases["hit_vs_floor"] = bench_hits_alternating({"sidecar": tcp, "floor": bare}, measured[0], requests)
         if overload_qps > 0:
             fresh = make_queries(tokenizer, int(overload_qps * overload_s), seed=11)
             cases["overload_embedded"] = bench_overload(target, fresh, overload_qps, overload_deadline_ms / 1e3)
@@ -282,9 +310,8 @@ def run_bench(settings: Settings, *, requests: int = 300, start_triton: bool = F
         "miss_embedded_p50_ms": emb["miss"]["median_ms"], "miss_embedded_p95_ms": emb["miss"]["p95_ms"],
         "sidecar_added_on_miss_p95_ms": emb["miss_outside_inference"]["p95_ms"],
     }
-    if "hit_by_transport" in cases:
-        summary |= {f"hit_{name}_p50_p95_ms": [v["median_ms"], v["p95_ms"]]
-                    for name, v in cases["hit_by_transport"].items()}
+    for case in ("hit_by_transport", "hit_vs_floor"):
+        summary |= {f"hit_{name}_p50_p95_ms": [v["median_ms"], v["p95_ms"]] for name, v in cases.get(case, {}).items()}
     if "sidecar_triton" in cases:
         summary |= {"raw_triton_p95_ms": cases["raw_triton"]["p95_ms"],
                     "miss_triton_p50_ms": cases["sidecar_triton"]["miss"]["median_ms"],

@@ -60,6 +60,8 @@ def register(sub: Any) -> None:
                        help="also offer this many new queries/s open-loop (beyond capacity) to test backpressure")
     bench.add_argument("--overload-seconds", type=float, default=5.0, help="duration of the overload run")
     bench.add_argument("--overload-deadline-ms", type=float, default=50.0, help="client deadline in the overload run")
+    bench.add_argument("--floor", action="store_true", help="also time cache hits against a do-nothing gRPC "
+                       "server with the same reply (sidecar/floor.py): what any Python gRPC service pays here")
     bench.add_argument("--uds", action="store_true", help="the measured sidecars also listen on a Unix "
                        "socket in a temporary folder and the client calls them over it instead of loopback TCP")
     bench.add_argument("--out", type=Path, default=Path("reports/bench_sidecar.json"), help="JSON report path")
@@ -96,6 +98,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     report = run_bench(settings_from_args(args), requests=args.requests, start_triton=args.start_triton,
                        overload_qps=args.overload_qps, overload_s=args.overload_seconds,
-                       overload_deadline_ms=args.overload_deadline_ms, uds=args.uds, out=args.out)
+                       overload_deadline_ms=args.overload_deadline_ms, uds=args.uds, floor=args.floor,
+                       out=args.out)
     print(json.dumps(report["summary"], indent=2))
     return 0
