@@ -18,6 +18,11 @@ from inference.errors import InvalidInput
 POOLING_MODES = ("mean", "mean_excluding_special")
 
 
+def params_from_config(params: dict[str, str]) -> tuple[str, tuple[int, ...]]:
+    """(mode, special ids) from a Triton model's `mode` / `special_ids` string parameters."""
+    return check_mode(params.get("mode", "mean")), tuple(int(x) for x in params.get("special_ids", "").split(",") if x)
+
+
 def check_mode(mode: str) -> str:
     if mode not in POOLING_MODES:
         raise InvalidInput(f"unknown pooling mode {mode!r}; expected one of {', '.join(POOLING_MODES)}")

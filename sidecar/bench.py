@@ -42,6 +42,7 @@ from inference.backends.onnx import OnnxBackend
 from inference.embedder import load_tokenizer
 from inference.errors import EmbedcarError, Unavailable
 from inference.files import atomic_write_text
+from inference.lifecycle import terminate
 from inference.manifest import load_manifest
 from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer
@@ -116,12 +117,7 @@ def sidecar_process(settings: Settings, extra: list[str], *, uds: bool = False) 
             wait_serving(target, proc, timeout_s=180)
             yield target, f"127.0.0.1:{port}"
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            terminate(proc, 30)
 
 
 def wait_serving(target: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -180,8 +176,7 @@ def floor_process(dim: int) -> Iterator[str]:
                     time.sleep(0.1)
         yield target
     finally:
-        proc.terminate()
-        proc.wait(30)
+        terminate(proc, 30)
 
 
 def bench_hits_alternating(targets: dict[str, str], query: str, n: int, *, block: int = 50) -> dict[str, Any]:

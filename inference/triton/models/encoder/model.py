@@ -55,11 +55,10 @@ class TritonPythonModel:
         self.inputs = [i.name for i in self.sess.get_inputs()]
         self.pool: Any = None
         if "mode" in params:
-            from inference.pooling import check_mode, pool
+            from inference.pooling import params_from_config, pool
 
             self.pool = pool
-            self.mode = check_mode(params["mode"])
-            self.special_ids = tuple(int(x) for x in params.get("special_ids", "").split(",") if x)
+            self.mode, self.special_ids = params_from_config(params)
 
     def _outputs(self, request: Any, feed: dict[str, Any], hidden: Any) -> list[Any]:
         wanted = set(request.requested_output_names()) or {"last_hidden_state"}

@@ -38,11 +38,10 @@ def to_numpy(tensor: Any) -> Any:
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         params = config_params(args)
-        from inference.pooling import check_mode, pool
+        from inference.pooling import params_from_config, pool
 
         self.pool: Any = pool
-        self.mode = check_mode(params.get("mode", "mean"))
-        self.special_ids = tuple(int(x) for x in params.get("special_ids", "").split(",") if x)
+        self.mode, self.special_ids = params_from_config(params)
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
