@@ -268,20 +268,40 @@ class ProductIndex:
 
     # --- hot reload ---------------------------------------------------------------------------
     def maybe_reload(self) -> bool:
-        """Swap in a newer complete version if there is one; in-flight searches keep the old one."""
+        """Swap in a newer complete version if there is one; in-flight searches keep the old one.
+
+        `version` then names the new one at once, even to a caller whose search ran on the old
+        one: a caller that reports which version answered swaps objects with `reloaded()`."""
         with self._reload_lock:
-            path = store.newest_version(self.index_root)
-            if path is None or path.name <= self._snap.path.name:
-                return False
-            try:
-                snap = _load(path, nprobe=self._nprobe, ef_search=self._ef, use_gpu=self._use_gpu)
-                _check_model(snap, self._expected)
-            except (ModelError, NotFound, Unavailable, Internal) as exc:  # pruned/broken: keep serving
-                log.warning("not swapping to index %s: %s", path.name, exc.message)
+            snap = self._newer_snapshot()
+            if snap is None:
                 return False
             self._snap = snap  # one reference assignment: atomic for concurrent readers
-            log.info("index swapped to %s (%d items)", path.name, snap.size)
+            log.info("index swapped to %s (%d items)", snap.path.name, snap.size)
             return True
+
+    def reloaded(self) -> Self | None:
+        """A new ProductIndex on a newer complete version, or None; this one stays on its version,
+        so a search through it and the `version` it reports always belong together."""
+        with self._reload_lock:
+            snap = self._newer_snapshot()
+        if snap is None:
+            return None
+        log.info("index %s loaded (%d items)", snap.path.name, snap.size)
+        return type(self)(self.index_root, snap, expected_model_id=self._expected, nprobe=self._nprobe,
+                          ef_search=self._ef, use_gpu=self._use_gpu, search_threads=self._search_threads)
+
+    def _newer_snapshot(self) -> _Snapshot | None:
+        path = store.newest_version(self.index_root)
+        if path is None or path.name <= self._snap.path.name:
+            return None
+        try:
+            snap = _load(path, nprobe=self._nprobe, ef_search=self._ef, use_gpu=self._use_gpu)
+            _check_model(snap, self._expected)
+        except (ModelError, NotFound, Unavailable, Internal) as exc:  # pruned/broken: keep serving
+            log.warning("not swapping to index %s: %s", path.name, exc.message)
+            return None
+        return snap
 
     # --- search -------------------------------------------------------------------------------
     def search(self, queries: npt.NDArray[np.floating], k: int = 10, *, department: str | None = None,

@@ -9,6 +9,11 @@ Protocol (JSON text frames):
 Each connection has one search worker fed through a latest-wins slot: a keystroke that arrives
 while an older one is still waiting replaces it. Bad frames get an error reply; oversized frames
 and floods close the connection (1009 / 1008). Nothing a client sends can stop the server.
+
+With API keys (the sidecar's, `create_app(keys=...)`), /ws needs one at the handshake: header
+`x-api-key` or `Authorization: Bearer`, or `?api_key=` (browsers cannot set websocket headers; the
+page passes on its own `?api_key=`). Without it the socket gets an `unauthenticated` error and
+closes with 1008. The page, its static files, /config and /health stay open.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from fastapi.staticfiles import StaticFiles
 from demo_ui.ratecap import RateCap
 from demo_ui.search import SearchFn
 from demo_ui.slot import LatestSlot
-from inference.errors import EmbedcarError, InvalidInput
+from inference.errors import EmbedcarError, InvalidInput, Unauthenticated
 from inference.settings import DemoSettings
+from inference.text import check_unicode
+from sidecar.auth import KeyRing
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +61,8 @@ def parse_message(raw: str, *, max_query_chars: int, default_k: int) -> Keystrok
     """One websocket frame -> Keystroke, or InvalidInput saying what is wrong with it."""
     try:
         msg = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise InvalidInput("message is not JSON") from exc
+    except (ValueError, RecursionError) as exc:  # ValueError: also integers over 4300 digits
+        raise InvalidInput("message is not JSON (or nested too deeply, or a number too long)") from exc
     if not isinstance(msg, dict):
         raise InvalidInput("message must be a JSON object")
     seq, text, k = msg.get("seq"), msg.get("text"), msg.get("k", default_k)
@@ -65,6 +72,7 @@ def parse_message(raw: str, *, max_query_chars: int, default_k: int) -> Keystrok
         raise InvalidInput("text must be a string")
     if len(text) > max_query_chars:
         raise InvalidInput(f"text longer than {max_query_chars} characters")
+    check_unicode(text, "text")  # a "\ud800" escape cannot go on to the sidecar
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
         raise InvalidInput(f"k must be an integer in 1..{MAX_K}")
     return Keystroke(seq=seq, text=text.strip(), k=k, received_ns=time.perf_counter_ns())
@@ -192,8 +200,18 @@ def _seq_of(raw: str) -> int | None:
     return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
 
 
-def create_app(settings: DemoSettings, search: SearchFn, *, info: dict[str, str] | None = None) -> FastAPI:
-    """The page, its static files, `/config` for the page's defaults, `/health`, and `/ws`."""
+def _ws_key(ws: WebSocket) -> str | None:
+    key = ws.headers.get("x-api-key") or ws.query_params.get("api_key")
+    if key:
+        return key
+    auth = ws.headers.get("authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else None
+
+
+def create_app(settings: DemoSettings, search: SearchFn, *, info: dict[str, str] | None = None,
+               keys: KeyRing | None = None) -> FastAPI:
+    """The page, its static files, `/config` for the page's defaults, `/health`, and `/ws` (which
+    needs one of `keys` when that ring is not empty)."""
     app = FastAPI(title="embedcar typeahead demo", docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     page_config = {"budget_ms": settings.budget_ms, "results": settings.results, **(info or {})}
@@ -213,6 +231,15 @@ def create_app(settings: DemoSettings, search: SearchFn, *, info: dict[str, str]
     @app.websocket("/ws")
     async def ws_endpoint(ws: WebSocket) -> None:
         await ws.accept()
+        if keys is not None and keys.enabled:
+            try:
+                keys.tenant_for(_ws_key(ws))
+            except Unauthenticated as exc:
+                # Accept first so the page can show why, then close: 1008 = policy violation.
+                with contextlib.suppress(Exception):
+                    await ws.send_text(json.dumps(_error(None, exc)))
+                    await ws.close(code=CLOSE_POLICY, reason="unauthenticated")
+                return
         await Connection(ws, settings, search).run()
 
     return app

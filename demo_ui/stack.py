@@ -95,6 +95,7 @@ async def serve(prepared: Prepared, say: Say, *, stop: asyncio.Event | None = No
     from demo_ui.search import SidecarSearch
     from demo_ui.server import build_server, create_app
     from sidecar.app import Sidecar
+    from sidecar.auth import KeyRing
     from sidecar.client import AsyncClient
 
     stop = stop or asyncio.Event()
@@ -111,7 +112,9 @@ async def serve(prepared: Prepared, say: Say, *, stop: asyncio.Event | None = No
         stack.push_async_callback(car.stop, settings.sidecar.grace_s)
         client = await stack.enter_async_context(AsyncClient(car.grpc_target))
         info = {"backend": prepared.backend, "model": prepared.model_id, "index": prepared.index_dir.name}
-        server = build_server(create_app(demo, SidecarSearch(client), info=info), demo)
+        # The private sidecar has no keys (loopback only); the page's websocket takes the configured ones.
+        keys = KeyRing.from_settings(prepared.settings.sidecar)
+        server = build_server(create_app(demo, SidecarSearch(client), info=info, keys=keys), demo)
         task = asyncio.create_task(server.serve())
         stack.push_async_callback(_stop_server, server, task)
         while not server.started:

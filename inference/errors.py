@@ -54,7 +54,14 @@ class NotFound(EmbedcarError):
     code = "not_found"
 
 
-class ModelError(EmbedcarError):
+class FailedPrecondition(EmbedcarError):
+    """The sidecar is not set up for this call (e.g. Search without an index_dir): retrying will not
+    help until an operator acts, unlike Unavailable."""
+
+    code = "failed_precondition"
+
+
+class ModelError(FailedPrecondition):
     """The model files are missing, corrupt or disagree with their manifest."""
 
     code = "failed_precondition"

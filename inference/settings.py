@@ -19,7 +19,8 @@ from inference.errors import InvalidInput
 
 
 def _f(default: Any, doc: str, *, secret: bool = False) -> Any:
-    return field(default=default, metadata={"doc": doc, "secret": secret})
+    # repr=False for secrets: a settings object in a log line or a traceback must not show them.
+    return field(default=default, metadata={"doc": doc, "secret": secret}, repr=not secret)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,10 @@ class SidecarSettings:
     )
     http_port: int = _f(8080, "HTTP facade port (0 = pick a free one, -1 = off).")
     backend: str = _f("embedded", "Inference backend: embedded (in-process ORT) or triton.")
+    embedded_fallback: bool = _f(
+        True, "Triton backend: answer with the embedded model while no Triton URL answers (only when the "
+        "model's ONNX file is present in model_dir; replies and metrics name the backend that answered)."
+    )
     api_keys: str = _f("", "tenant=key pairs, comma-separated.", secret=True)
     api_keys_file: Path | None = _f(None, "File of `tenant key` lines (or `tenant sha256:hex`).")
     rate_per_s: float = _f(1000.0, "Token bucket refill rate per tenant (requests/s).")
@@ -87,6 +92,10 @@ class SidecarSettings:
     max_message_bytes: int = _f(4 * 1024 * 1024, "Largest gRPC/HTTP request body.")
     batch_wait_us: int = _f(500, "Embedded micro-batcher: longest wait to fill a batch.")
     max_pending_batches: int = _f(2, "Admission: batches allowed to wait behind the running one.")
+    admission_budget_ms: float = _f(
+        10.0, "Admission: reject a request that would wait behind more than this much queued inference "
+        "(keeps accepted latency near the 20 ms SLA under overload, the excess refused at once). 0 = deadline only."
+    )
     default_deadline_ms: int = _f(1000, "Deadline for requests that carry none.")
     warm_queries_file: Path | None = _f(None, "Optional file of top queries to pre-load the cache.")
     index_dir: Path | None = _f(None, "Catalog index root to serve Search from (None = no Search).")

@@ -29,8 +29,23 @@ def normalize(text: str, *, lowercase: bool) -> str:
     return out.lower() if lowercase else out
 
 
+def check_unicode(text: str, what: str) -> None:
+    """InvalidInput if `text` holds a lone surrogate (U+D800..U+DFFF).
+
+    JSON escapes (`"\\ud800"`) can carry one into a str; it is not Unicode text, cannot be UTF-8
+    encoded for the tokenizer or a gRPC call, and would otherwise surface as an internal error.
+    """
+    if text.isascii():  # the usual case, and a C-speed scan
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(f"{what} holds a lone surrogate (U+{ord(text[exc.start]):04X} at character "
+                           f"{exc.start}): not valid Unicode text") from exc
+
+
 def check_texts(texts: Sequence[object], *, max_batch: int) -> list[str]:
-    """An embedding call's texts: a non-empty batch of non-blank strings, at most `max_batch`."""
+    """An embedding call's texts: a non-empty batch of non-blank Unicode strings, at most `max_batch`."""
     if len(texts) == 0:
         raise InvalidInput("empty batch: send at least one text")
     if len(texts) > max_batch:
@@ -41,5 +56,6 @@ def check_texts(texts: Sequence[object], *, max_batch: int) -> list[str]:
             raise InvalidInput(f"text {i} is a {type(t).__name__}, not a string")
         if not t.strip():
             raise InvalidInput(f"text {i} is empty or whitespace only")
+        check_unicode(t, f"text {i}")
         out.append(t)
     return out

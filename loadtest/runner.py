@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from inference.errors import DeadlineExceeded, EmbedcarError, Internal, InvalidInput
 from loadtest.schedule import PacerReport, arrival_offsets, pace, pacer_report
 from loadtest.targets import Target, Timings
@@ -102,6 +104,8 @@ async def run_load(target: Target, texts: Sequence[str], config: RunConfig) -> R
 
     async def one(i: int, due: float) -> None:
         batch = [texts[(i * config.batch + j) % len(texts)] for j in range(config.batch)]
+        if i == first_measured and snap is not None:
+            await snap  # the window's "before" statistics are read before its first request is sent
         async with gate:
             sent = clock()
             remaining = deadline_s - (sent - due)
@@ -136,6 +140,7 @@ async def run_load(target: Target, texts: Sequence[str], config: RunConfig) -> R
 
     if config.warmup_s == 0:
         stats_box["before"] = await target.server_stats()  # the window starts with the first request
+    first_measured = int(np.searchsorted(offsets, config.warmup_s))
     cpu0, wall0 = _cpu_s(), clock()
     start = clock() + 0.01
     snap = asyncio.create_task(snapshot_at_window_start(start + config.warmup_s)) if config.warmup_s else None

@@ -68,7 +68,7 @@ class SidecarProcess:
 
     def __init__(self, settings: Settings, *, backend: str, variant: str, triton_url: str | None = None,
                  index_dir: Path | None = None, log_file: Path | None = None,
-                 startup_timeout_s: float = 180.0) -> None:
+                 startup_timeout_s: float = 180.0, extra_env: dict[str, str] | None = None) -> None:
         self.grpc_port = free_port()
         self.http_port = free_port()
         self.log_file = log_file
@@ -91,6 +91,7 @@ class SidecarProcess:
             env["EMBEDCAR_TRITON_URLS"] = triton_url
         if index_dir is not None:
             env["EMBEDCAR_SIDECAR_INDEX_DIR"] = str(index_dir.resolve())
+        env.update(extra_env or {})  # e.g. EMBEDCAR_SIDECAR_EMBEDDED_FALLBACK for a fault scenario
         self._env = env
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -101,6 +102,10 @@ class SidecarProcess:
     @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "inference.cli_main", "sidecar", "serve"]

@@ -3,8 +3,11 @@
 A backend call costs about `s_per_call + s_per_token * B * L` (B x L padded tokens): the fixed
 part is measured at start-up, the per-token part is an exponential moving average over finished
 calls. Outstanding work (queued + running) priced that way estimates the drain time. A
-request is rejected when it cannot finish before its deadline or when the queue is full; a request
-whose deadline already passed never reaches the backend.
+request is rejected when it cannot finish before its deadline, when it would wait behind more than
+the queueing budget (under overload a long queue only makes every answer late, and late answers
+are wasted work: the budget keeps accepted latency near the SLA and sheds the excess at once), or
+when the queue is full; a request whose deadline already passed never reaches the backend. The
+budget bounds the wait, not the request's own cost, so a big batch on an idle backend still runs.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ class Ticket:
 
 class Admission:
     def __init__(self, *, max_outstanding_items: int, s_per_token: float = 1e-4, s_per_call: float = 0.0,
-                 alpha: float = 0.2) -> None:
+                 alpha: float = 0.2, budget_s: float = 0.0) -> None:
         self.max_outstanding_items = max_outstanding_items
+        self.budget_s = budget_s  # most queued work (drain time) to wait behind; 0 = the deadline only
         self.s_per_token = s_per_token
         self.s_per_call = s_per_call
         self.alpha = alpha
@@ -67,6 +71,12 @@ class Admission:
             if drain + own > left:
                 raise Overloaded(f"queue drains in about {drain * 1e3:.1f} ms, after this request's deadline",
                                  retry_after_s=drain)
+        # The wait allowed is the budget, or one call of this request's own size where that is longer
+        # (a slow backend at low traffic is not overload: one request may always wait for another).
+        limit = max(self.budget_s, own)
+        if self.budget_s and drain > limit:
+            raise Overloaded(f"queue drains in about {drain * 1e3:.1f} ms, over the {limit * 1e3:.1f} ms "
+                             "queueing budget", retry_after_s=drain - limit)
         if self.outstanding_items and self.outstanding_items + items > self.max_outstanding_items:
             raise Overloaded(f"{self.outstanding_items} texts already queued (cap {self.max_outstanding_items})",
                              retry_after_s=drain)

@@ -47,11 +47,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def build_backend(settings: Settings) -> Backend:
-    """The backend settings.sidecar.backend names: embedded ORT, or a Triton client (imported lazily)."""
+FALLBACK = "embedded-fallback"  # how replies and metrics name the fallback when it answered
+
+
+def build_backend(settings: Settings, kind: str | None = None) -> Backend:
+    """The backend settings.sidecar.backend (or `kind`) names: embedded ORT, or a Triton client (imported lazily)."""
     m = settings.model
     manifest = load_manifest(m.model_dir)
-    kind = settings.sidecar.backend
+    kind = kind or settings.sidecar.backend
     if kind == "embedded":
         from inference.backends.onnx import OnnxBackend
 
@@ -78,7 +81,8 @@ class Sidecar:
         self.tokenizer = load_tokenizer(model_dir, self.manifest, max_text_chars=settings.model.max_text_chars)
         self.metrics = Metrics()
         hosts = max(1, len(settings.triton.urls)) if s.backend == "triton" else 1
-        self.admission = Admission(max_outstanding_items=(s.max_pending_batches + 1) * s.batch_max_items * hosts)
+        self.admission = Admission(max_outstanding_items=(s.max_pending_batches + 1) * s.batch_max_items * hosts,
+                                   budget_s=s.admission_budget_ms / 1e3)
         self.cache = EmbeddingCache(self.backend.version_id, s.cache_entries, s.cache_ttl_s)
         self.batcher: MicroBatcher | None = None
         runner: Runner
@@ -89,12 +93,22 @@ class Sidecar:
             runner = self.batcher.submit
         else:
             runner = direct_runner(self.backend, self.tokenizer, self.admission, self.metrics)
+        # While Triton is down the sidecar still holds the model: answer with it rather than fail.
+        self.fallback: Backend | None = None
+        self.fallback_batcher: MicroBatcher | None = None
+        fallback_runner: Runner | None = None
+        if self.batcher is None and s.embedded_fallback and self._model_file_present():
+            self.fallback = build_backend(settings, "embedded")
+            self.fallback_batcher = MicroBatcher(self.fallback, self.tokenizer, max_items=s.batch_max_items,
+                                                 wait_us=s.batch_wait_us, on_batch=self._on_batch, label=FALLBACK)
+            fallback_runner = self.fallback_batcher.submit
         self.index = IndexHolder(index, index_root=s.index_dir, expected_model_id=self.backend.version_id,
                                  poll_s=s.index_poll_s, catalog=settings.catalog)
         self.service = EmbedService(settings, tokenizer=self.tokenizer, backend=self.backend,
                                     lowercase=self.manifest.lowercase, keys=self.keys,
                                     limiter=RateLimiter(s.rate_per_s, s.burst), cache=self.cache,
-                                    admission=self.admission, metrics=self.metrics, runner=runner, index=self.index)
+                                    admission=self.admission, metrics=self.metrics, runner=runner, index=self.index,
+                                    fallback=fallback_runner)
         self.grpc_port = 0
         self.uds: UnixSocket | None = None
         self.http_port: int | None = None
@@ -115,6 +129,18 @@ class Sidecar:
     def uds_target(self) -> str | None:
         """`unix:/abs/path` of the Unix socket gRPC also listens on, or None (sidecar.uds_path unset)."""
         return self.uds.target if self.uds is not None else None
+
+    def _model_file_present(self) -> bool:
+        m = self.settings.model
+        try:
+            return (m.model_dir / self.manifest.variant(m.variant).file).is_file()
+        except Exception:  # an unknown variant: the backend itself reports it
+            return False
+
+    @property
+    def can_answer(self) -> bool:
+        """The backend is up, or the embedded fallback stands in for it."""
+        return self.service.backend_up or self.fallback_batcher is not None
 
     def _on_batch(self, rows: int, length: int, seconds: float) -> None:
         self.admission.observe(rows * length, seconds)
@@ -146,8 +172,11 @@ class Sidecar:
         await self._calibrate()
         if self.batcher is not None:
             self.batcher.start()
+        if self.fallback is not None and self.fallback_batcher is not None:
+            await self.fallback.start()  # loaded and warm before it is needed
+            self.fallback_batcher.start()
         loop = asyncio.get_running_loop()
-        self.service.on_backend_down = lambda: self._spawn(self._set_health(False))
+        self.service.on_backend_down = lambda: self._spawn(self._set_health(self.can_answer))
         await self.index.start()
         if s.warm_queries_file is not None:
             await self.warm_cache(s.warm_queries_file)
@@ -180,6 +209,10 @@ class Sidecar:
             self._http = self._http_task = None
         if self.batcher is not None:
             await self.batcher.close()
+        if self.fallback_batcher is not None:
+            await self.fallback_batcher.close()
+        if self.fallback is not None:
+            await self.fallback.close()
         await self.index.close()
         if self._owns_backend:
             await self.backend.close()
@@ -274,8 +307,8 @@ class Sidecar:
                 else:
                     self.service.mark_backend(True)
                     log.info("backend %s is back", self.backend.name)
-            if self.service.backend_up != self.serving:
-                await self._set_health(self.service.backend_up)
+            if self.can_answer != self.serving:
+                await self._set_health(self.can_answer)
 
 
 class SidecarThread:
@@ -326,4 +359,4 @@ def running(settings: Settings, **kw: Any) -> Iterator[Sidecar]:
         yield sc
 
 
-__all__ = ["Sidecar", "SidecarThread", "Unavailable", "build_backend", "running"]
+__all__ = ["FALLBACK", "Sidecar", "SidecarThread", "Unavailable", "build_backend", "running"]

@@ -16,7 +16,8 @@ _SHA_PREFIX = "sha256:"
 
 
 def digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
+    # surrogatepass: a key that is not valid Unicode is a wrong key, never an encoding error.
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 class KeyRing:

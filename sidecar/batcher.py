@@ -2,9 +2,13 @@
 
 There is no Triton to batch for the embedded backend, so the sidecar does it: requests of the same
 bucket that queue up while a forward pass runs are merged into the next one. At low traffic it does
-not wait for company (DESIGN: a fixed batching wait is the largest single cost at typeahead
-traffic); it waits up to `wait_us` only while arrivals are denser than that wait, i.e. when
-waiting is likely to fill the batch.
+not wait for company (a fixed batching wait is the largest single cost at typeahead traffic);
+it waits up to `wait_us` only while arrivals are denser than that wait, i.e. when waiting is likely
+to fill the batch, and stops waiting as soon as the batch is full.
+
+Time comes from an injected `clock` (time.monotonic by default), so tests can replay any arrival
+pattern; the first arrival has no predecessor (a freshly booted machine's monotonic clock is small,
+so 0.0 is not "long ago").
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from inference.backends.base import Backend, Embeddings
 from inference.errors import DeadlineExceeded, EmbedcarError, Internal, Unavailable
 from inference.tokenizer import QueryTokenizer
 
-# (embeddings [n, dim], queue ns, inference ns)
-Result = tuple[Embeddings, int, int]
+# (embeddings [n, dim], queue ns, inference ns, name of the backend that answered)
+Result = tuple[Embeddings, int, int, str]
 
 
 @dataclass(slots=True)
@@ -36,17 +40,21 @@ class _Item:
 
 class MicroBatcher:
     def __init__(self, backend: Backend, tokenizer: QueryTokenizer, *, max_items: int, wait_us: int,
-                 on_batch: Callable[[int, int, float], None] | None = None) -> None:
+                 on_batch: Callable[[int, int, float], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, label: str | None = None) -> None:
         self.backend = backend
+        self.label = label or backend.name  # what results say answered them
         self.tokenizer = tokenizer
         self.max_items = max(1, min(max_items, backend.max_batch))
         self.wait_s = max(wait_us, 0) * 1e-6
         self.on_batch = on_batch  # (rows, padded length, seconds) after each forward pass
         self._queues: dict[int, deque[_Item]] = {}
+        self._clock = clock
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._last_arrival = 0.0
-        self._gap_s = float("inf")  # EMA of the time between submissions
+        self._last_arrival: float | None = None
+        self._gap_s = float("inf")  # EMA of the time between submissions; inf until two have arrived
+        self._forward_s = 0.0  # EMA of a forward pass's duration (bounds the wait before a deadline)
         self.batches = 0
 
     def start(self) -> None:
@@ -69,14 +77,22 @@ class MicroBatcher:
         """Embed `ids` (all in `bucket`, at most max_items) in the next forward pass of that bucket."""
         if self._task is None:
             raise Unavailable("micro-batcher is not running")
-        now = time.monotonic()
-        gap = now - self._last_arrival
-        self._last_arrival = now
-        self._gap_s = gap if self._gap_s == float("inf") else self._gap_s + 0.2 * (gap - self._gap_s)
+        self._arrival(self._clock())
         item = _Item(ids, deadline, asyncio.get_running_loop().create_future())
         self._queues.setdefault(bucket, deque()).append(item)
         self._wake.set()
         return await item.fut
+
+    def _arrival(self, now: float) -> None:
+        last, self._last_arrival = self._last_arrival, now
+        if last is None:
+            return
+        gap = max(now - last, 0.0)
+        self._gap_s = gap if self._gap_s == float("inf") else self._gap_s + 0.2 * (gap - self._gap_s)
+
+    def dense(self) -> bool:
+        """Arrivals come faster than the batching wait: waiting is likely to bring company."""
+        return self._gap_s < self.wait_s
 
     def _oldest_bucket(self) -> int | None:
         best: int | None = None
@@ -97,17 +113,33 @@ class MicroBatcher:
                 await self._wake.wait()
                 continue
             q = self._queues[bucket]
-            if self.wait_s and self._gap_s < self.wait_s and self._rows(q) < self.max_items:
-                await asyncio.sleep(self.wait_s)  # dense traffic: a short wait likely fills the batch
+            if self.wait_s and self.dense() and self._rows(q) < self.max_items:
+                await self._fill(q)
             items = self._take(q)
             if items:
                 await self._forward(bucket, items)
+
+    async def _fill(self, q: deque[_Item]) -> None:
+        """Wait up to wait_s for `q` to fill (each arrival re-checks), ending in time for the head's deadline."""
+        end = self._clock() + self.wait_s
+        head = q[0].deadline
+        if head is not None:
+            end = min(end, head - 2 * self._forward_s)
+        while self._rows(q) < self.max_items:
+            left = end - self._clock()
+            if left <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except TimeoutError:
+                return
 
     def _take(self, q: deque[_Item]) -> list[_Item]:
         """Up to max_items rows from the head of `q`; expired or abandoned items are dropped here."""
         out: list[_Item] = []
         rows = 0
-        now = time.monotonic()
+        now = self._clock()
         while q and (not out or rows + len(q[0].ids) <= self.max_items):
             item = q.popleft()
             if item.fut.done():  # the caller went away (cancelled)
@@ -133,15 +165,17 @@ class MicroBatcher:
             return
         end = time.perf_counter_ns()
         self.batches += 1
+        seconds = (end - start) * 1e-9
+        self._forward_s = seconds if not self._forward_s else self._forward_s + 0.2 * (seconds - self._forward_s)
         if self.on_batch is not None:
-            self.on_batch(len(rows), bucket, (end - start) * 1e-9)
+            self.on_batch(len(rows), bucket, seconds)
         infer_ns = end - start
         offset = 0
         for item in items:
             n = len(item.ids)
             if not item.fut.done():
                 item.fut.set_result((np.ascontiguousarray(emb[offset:offset + n]),
-                                     start - item.enqueued_ns, infer_ns))
+                                     start - item.enqueued_ns, infer_ns, self.label))
             offset += n
 
     @staticmethod

@@ -40,6 +40,7 @@ class EmbedResult:
     cache_hits: list[bool]
     truncated: list[bool]
     timings_ns: dict[str, int]
+    backend: str = ""  # which backend computed the misses ("" = all from the cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,7 @@ class SearchResult:
     index_version: str
     cache_hits: list[bool]
     timings_ns: dict[str, int]
+    backend: str = ""
 
 
 def _timings(t: pb.Timings) -> dict[str, int]:
@@ -60,12 +62,13 @@ def decode_embed(reply: pb.EmbedReply) -> EmbedResult:
     dtype = "<f2" if reply.dtype == pb.FLOAT16 else "<f4"
     emb = np.frombuffer(reply.embeddings, dtype=dtype).reshape(reply.rows, reply.dim)
     return EmbedResult(emb.astype(np.float32, copy=False), reply.model, list(reply.cache_hits),
-                       list(reply.truncated), _timings(reply.timings))
+                       list(reply.truncated), _timings(reply.timings), reply.backend)
 
 
 def decode_search(reply: pb.SearchReply) -> SearchResult:
     hits = [[Hit(h.id, float(h.score), dict(h.fields)) for h in hl.hits] for hl in reply.results]
-    return SearchResult(hits, reply.model, reply.index_version, list(reply.cache_hits), _timings(reply.timings))
+    return SearchResult(hits, reply.model, reply.index_version, list(reply.cache_hits), _timings(reply.timings),
+                        reply.backend)
 
 
 def search_request(texts: Sequence[str], k: int, department: str | None, aisle: str | None) -> pb.SearchRequest:

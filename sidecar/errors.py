@@ -9,6 +9,7 @@ import grpc
 from inference.errors import (
     DeadlineExceeded,
     EmbedcarError,
+    FailedPrecondition,
     Internal,
     InvalidInput,
     ModelError,
@@ -30,17 +31,18 @@ _GRPC: dict[type[EmbedcarError], grpc.StatusCode] = {
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     NotFound: grpc.StatusCode.NOT_FOUND,
-    ModelError: grpc.StatusCode.FAILED_PRECONDITION,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,  # ModelError included
     Internal: grpc.StatusCode.INTERNAL,
 }
 
 _HTTP: dict[type[EmbedcarError], int] = {
     InvalidInput: 400,
+    FailedPrecondition: 400,  # Google's API mapping: the call cannot work in the system's present state
     Unauthenticated: 401,
     NotFound: 404,
     Overloaded: 429,
     Internal: 500,
-    ModelError: 500,
+    ModelError: 500,  # broken model files are the server's fault, not the caller's
     Unavailable: 503,
     DeadlineExceeded: 504,
 }
@@ -52,6 +54,8 @@ _FROM_GRPC: dict[grpc.StatusCode, type[EmbedcarError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidInput,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.NOT_FOUND: NotFound,
 }
 
 

@@ -2,6 +2,10 @@
 
 Requests are parsed here rather than by grpc so that undecodable bytes, invalid UTF-8 and unknown
 fields become INVALID_ARGUMENT with a message instead of a generic failure.
+
+With API keys set, every method needs the `x-api-key` metadata except the health service (probes
+carry no key): Embed and Search check it in the service (per tenant, with its rate limit),
+`KeyInterceptor` checks it for the rest (server reflection, and whatever is added later).
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from inference.errors import EmbedcarError, Internal, InvalidInput
+from inference.errors import EmbedcarError, Internal, InvalidInput, Unauthenticated
 from inference.settings import SidecarSettings
+from sidecar.auth import KeyRing
 from sidecar.errors import RETRY_AFTER_KEY, grpc_code
 from sidecar.metrics import Metrics
 from sidecar.proto import embedcar_pb2 as pb
@@ -40,12 +45,42 @@ def _parse(cls: type[Any], raw: bytes) -> Any:
     return msg
 
 
-def _api_key(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
-    for item in context.invocation_metadata() or ():
+def _key_in(metadata: Any) -> str | None:
+    for item in metadata or ():
         if item[0] == API_KEY:
             value = item[1]
             return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
     return None
+
+
+def _api_key(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
+    return _key_in(context.invocation_metadata())
+
+
+class KeyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # untyped in the stubs
+    """UNAUTHENTICATED for any method but health and the Embedder's own without a valid key."""
+
+    OPEN = ("/grpc.health.v1.Health/", f"/{SERVICE}/")  # the Embedder authenticates in the service
+
+    def __init__(self, keys: KeyRing) -> None:
+        self._keys = keys
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        method: str = details.method or ""
+        if not method.startswith(self.OPEN):
+            try:
+                self._keys.tenant_for(_key_in(details.invocation_metadata))
+            except Unauthenticated as exc:
+                return _deny(exc.message)
+        return await continuation(details)
+
+
+def _deny(message: str) -> grpc.RpcMethodHandler[Any, Any]:
+    async def abort(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        # stream-stream, so nothing is read first: fits a call of any cardinality.
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    return grpc.stream_stream_rpc_method_handler(abort)
 
 
 def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
@@ -72,7 +107,7 @@ class EmbedderServicer:
                 data, dtype = emb.astype(_F32, copy=False).tobytes(), pb.FLOAT32
             reply = pb.EmbedReply(embeddings=data, rows=emb.shape[0], dim=emb.shape[1], dtype=dtype,
                                   model=self.service.model, cache_hits=out.cache_hits, truncated=out.truncated,
-                                  timings=pb.Timings(**out.timings_ns))
+                                  timings=pb.Timings(**out.timings_ns), backend=out.backend)
         except EmbedcarError as exc:
             await self._abort(context, "embed", exc)
             raise  # unreachable: abort raises
@@ -92,7 +127,7 @@ class EmbedderServicer:
                 results=[pb.HitList(hits=[pb.Hit(id=h.id, score=h.score, fields=h.fields) for h in hits])
                          for hits in out.hits],
                 model=self.service.model, index_version=out.index_version, cache_hits=out.cache_hits,
-                timings=pb.Timings(**out.timings_ns))
+                timings=pb.Timings(**out.timings_ns), backend=out.backend)
         except EmbedcarError as exc:
             await self._abort(context, "search", exc)
             raise
@@ -117,7 +152,10 @@ def create_server(settings: SidecarSettings, servicer: EmbedderServicer,
     Unix socket settings.uds_path when set (no network reach: the bind check does not apply to it)."""
     uds_path = prepare_unix_socket(settings.uds_path) if settings.uds_path is not None else None
     limit = settings.max_message_bytes
-    server = grpc.aio.server(options=[
+    keys = servicer.service.keys
+    # Only with keys: an interceptor costs every call a coroutine hop.
+    interceptors = [KeyInterceptor(keys)] if keys.enabled else None
+    server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", max(limit, 64 * 1024 * 1024)),
         ("grpc.so_reuseport", 0),

@@ -1,24 +1,32 @@
 """HTTP facade (FastAPI): OpenAI-compatible POST /v1/embeddings, GET /health, GET /metrics.
 
-Bodies are read and checked by hand (size cap, UTF-8, JSON types, unknown fields) so every bad
-request gets a 4xx with a message that says what was wrong.
+Bodies are read and checked by hand (size cap, UTF-8, JSON types and depth, unknown fields) so every
+bad request gets a 4xx with a message that says what was wrong.
+
+With API keys set, /v1/embeddings and /metrics need one (`Authorization: Bearer <key>` or
+`x-api-key`; Prometheus sends the former with `authorization: {credentials: ...}`): the metrics name
+tenants and traffic. /health stays open for load balancers: it says only whether it serves, and the model.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 
-from inference.errors import EmbedcarError, InvalidInput
+from inference.errors import EmbedcarError, Internal, InvalidInput, Unauthenticated
 from sidecar.errors import http_status
 from sidecar.metrics import Metrics
 from sidecar.service import EmbedService
+
+log = logging.getLogger(__name__)
 
 ALLOWED_FIELDS = frozenset({"input", "model", "encoding_format", "user"})
 
@@ -29,13 +37,20 @@ class PayloadTooLarge(InvalidInput):
 
 def _error(exc: EmbedcarError) -> JSONResponse:
     status = 413 if isinstance(exc, PayloadTooLarge) else http_status(exc)
-    headers = {"Retry-After": f"{max(1, round(exc.retry_after_s))}"} if exc.retry_after_s is not None else None
-    return JSONResponse({"error": {"message": exc.message, "type": exc.code}}, status_code=status, headers=headers)
+    headers: dict[str, str] = {}
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = f"{max(1, round(exc.retry_after_s))}"
+    if isinstance(exc, Unauthenticated):
+        headers["WWW-Authenticate"] = "Bearer"
+    # A message may quote the caller's input, lone surrogates included: escape what UTF-8 cannot carry.
+    message = exc.message.encode("utf-8", "backslashreplace").decode("utf-8")
+    return JSONResponse({"error": {"message": message, "type": exc.code}}, status_code=status, headers=headers)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    # isascii: str.isdigit() is also true of "²", which int() refuses.
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes is over the limit of {limit}")
     chunks: list[bytes] = []
     size = 0
@@ -57,11 +72,17 @@ def parse_embeddings_request(body: bytes) -> tuple[list[str], str]:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidInput(f"request body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+    except RecursionError as exc:  # the C decoder recurses per [ or {
+        raise InvalidInput("request body is not JSON we accept: nested too deeply") from exc
+    except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
+        raise InvalidInput(f"request body is not JSON we accept: {str(exc).split(':')[0]}") from exc
     if not isinstance(doc, dict):
         raise InvalidInput(f"request body must be a JSON object, got {type(doc).__name__}")
     unknown = sorted(set(doc) - ALLOWED_FIELDS)
     if unknown:
-        raise InvalidInput(f"unknown fields: {', '.join(unknown)} (allowed: {', '.join(sorted(ALLOWED_FIELDS))})")
+        # Field names come from the caller: quote a few, shortened, never the whole body.
+        shown = ", ".join(repr(name[:40]) for name in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+        raise InvalidInput(f"unknown fields: {shown} (allowed: {', '.join(sorted(ALLOWED_FIELDS))})")
     if "input" not in doc:
         raise InvalidInput("missing field `input` (a string or a list of strings)")
     raw = doc["input"]
@@ -102,6 +123,12 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
         except EmbedcarError as exc:
             metrics.requests.labels("http_embed", exc.code).inc()
             return _error(exc)
+        except ClientDisconnect:  # gone before its body arrived: nobody to answer
+            return Response(status_code=400)
+        except Exception as exc:  # a bug: a JSON 500 like gRPC's INTERNAL, and logged, not a crash
+            log.exception("POST /v1/embeddings failed")
+            metrics.requests.labels("http_embed", "internal").inc()
+            return _error(Internal(f"unexpected error: {type(exc).__name__}"))
         metrics.requests.labels("http_embed", "ok").inc()
         metrics.observe_timings("embed", out.timings_ns)
         emb = out.embeddings
@@ -111,8 +138,9 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
             for i, row in enumerate(emb)
         ]
         n_tokens = sum(out.tokens)
+        headers = {"x-embedcar-backend": out.backend} if out.backend else None  # who computed the misses
         return JSONResponse({"object": "list", "data": data, "model": service.model,
-                             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+                             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}, headers=headers)
 
     @app.get("/health")
     async def health() -> Response:
@@ -121,7 +149,12 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        # Keys only (no rate limit): a scrape must not eat a tenant's budget.
+        try:
+            service.keys.tenant_for(_api_key(request))
+        except Unauthenticated as exc:
+            return _error(exc)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -68,6 +68,9 @@ class Metrics:
         self.backend_errors = Counter("embedcar_backend_errors", "Backend failures by kind.", ["kind"], registry=r)
         self.batch_size = Histogram("embedcar_batch_size", "Texts per backend call.", buckets=BATCH_BUCKETS,
                                     registry=r)
+        self.backend_answers = Counter("embedcar_backend_answers", "Backend calls by the backend that answered "
+                                       "(embedded-fallback: the embedded model while the backend was down).",
+                                       ["backend"], registry=r)
         self.backend_up = Gauge("embedcar_backend_up", "1 while the backend serves.", registry=r)
         self.cache_entries = Gauge("embedcar_cache_entries", "Entries in the embedding cache.", registry=r)
 

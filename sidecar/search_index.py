@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from inference.errors import EmbedcarError, Internal
+from inference.errors import EmbedcarError, FailedPrecondition, Internal, Unavailable
 from inference.settings import CatalogSettings
 
 if TYPE_CHECKING:
@@ -34,6 +34,9 @@ class IndexHolder:
         self._catalog = catalog or CatalogSettings()
         self._why = ("not opened yet" if index_root is not None else
                      "this sidecar has no index_dir (set EMBEDCAR_SIDECAR_INDEX_DIR)")
+        # Only "nothing published yet" (or a root still loading) is worth retrying; no index_dir, an
+        # index of another model or a broken one needs an operator first.
+        self._retry_helps = index_root is not None
         # FAISS calls hold the GIL only briefly, but one flat search is ~3 ms: keep it off the loop.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="faiss")
         self._task: asyncio.Task[None] | None = None
@@ -43,6 +46,12 @@ class IndexHolder:
 
     def reason(self) -> str:
         return self._why
+
+    def missing(self) -> EmbedcarError:
+        """The error for a Search while no index is loaded: UNAVAILABLE where retrying later can
+        help, FAILED_PRECONDITION where it cannot."""
+        message = f"no product index loaded: {self._why}"
+        return Unavailable(message) if self._retry_helps else FailedPrecondition(message)
 
     async def start(self) -> None:
         if self._index is None and self._root is not None:
@@ -70,6 +79,7 @@ class IndexHolder:
             log.info("serving product index %s (%d items) from %s", self._index.version, self._index.size, root)
         except EmbedcarError as exc:
             self._why = exc.message
+            self._retry_helps = isinstance(exc, Unavailable)
 
     async def _poll(self) -> None:
         while True:
@@ -77,8 +87,11 @@ class IndexHolder:
             try:
                 if self._index is None:
                     await self._try_open()
-                elif await asyncio.to_thread(self._index.maybe_reload):
-                    log.info("product index reloaded: version %s", self._index.version)
+                elif (newer := await asyncio.to_thread(self._index.reloaded)) is not None:
+                    # A new object, not a swap inside the old one: a search in flight still
+                    # reports the version it searched (the Search reply names it).
+                    self._index = newer
+                    log.info("product index reloaded: version %s", newer.version)
             except Exception:  # keep serving the version we have
                 log.exception("product index reload failed")
 

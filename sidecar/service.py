@@ -16,7 +16,15 @@ import numpy as np
 
 from inference.backends.base import Backend, Embeddings
 from inference.buckets import group_by_bucket, split_batches
-from inference.errors import DeadlineExceeded, EmbedcarError, InvalidInput, Overloaded, Unauthenticated, Unavailable
+from inference.errors import (
+    DeadlineExceeded,
+    EmbedcarError,
+    FailedPrecondition,
+    InvalidInput,
+    Overloaded,
+    Unauthenticated,
+    Unavailable,
+)
 from inference.settings import Settings
 from inference.text import check_texts, normalize
 from inference.tokenizer import QueryTokenizer
@@ -30,8 +38,8 @@ if TYPE_CHECKING:
     from catalog.index import Hit
     from sidecar.search_index import IndexHolder
 
-# bucket, token ids, deadline -> (embeddings, queue ns, inference ns)
-Runner = Callable[[int, list[list[int]], float | None], Awaitable[tuple[Embeddings, int, int]]]
+# bucket, token ids, deadline -> (embeddings, queue ns, inference ns, backend that answered)
+Runner = Callable[[int, list[list[int]], float | None], Awaitable[tuple[Embeddings, int, int, str]]]
 
 # Tokenizing one short query takes ~16 µs, less than a thread hop: only big batches leave the loop.
 TOKENIZE_ON_LOOP_MAX = 16
@@ -48,6 +56,7 @@ class EmbedOutcome:
     truncated: list[bool]
     tokens: list[int]
     timings_ns: dict[str, int]
+    backend: str = ""  # which backend computed the misses ("" = all from the cache)
 
 
 @dataclass(slots=True)
@@ -56,12 +65,14 @@ class SearchOutcome:
     index_version: str
     cache_hits: list[bool]
     timings_ns: dict[str, int]
+    backend: str = ""
 
 
 class EmbedService:
     def __init__(self, settings: Settings, *, tokenizer: QueryTokenizer, backend: Backend, lowercase: bool,
                  keys: KeyRing, limiter: RateLimiter, cache: EmbeddingCache, admission: Admission,
-                 metrics: Metrics, runner: Runner, index: IndexHolder | None = None) -> None:
+                 metrics: Metrics, runner: Runner, index: IndexHolder | None = None,
+                 fallback: Runner | None = None) -> None:
         s = settings.sidecar
         self.tokenizer = tokenizer
         self.backend = backend
@@ -75,6 +86,7 @@ class EmbedService:
         self.metrics = metrics
         self.index = index
         self._run = runner
+        self._fallback = fallback  # the embedded model, used while the backend is down
         self.max_batch = min(settings.model.max_batch, backend.max_batch if backend.max_batch > 0 else 256)
         self.max_chars = s.max_text_chars
         self.chunk = max(1, s.batch_max_items)
@@ -140,15 +152,17 @@ class EmbedService:
         holder = self.index
         index = holder.current() if holder is not None else None
         if holder is None or index is None:
-            reason = holder.reason() if holder is not None else "this sidecar has no index_dir"
-            raise Unavailable(f"no product index loaded: {reason}")
+            # A configuration error is FAILED_PRECONDITION (retrying cannot help), UNAVAILABLE only
+            # while the configured index may still appear (see IndexHolder.missing).
+            raise (holder.missing() if holder is not None
+                   else FailedPrecondition("no product index loaded: this sidecar has no index_dir"))
         emb = await self._embed(self._validate(texts), deadline, tm, t1)
         t2 = time.perf_counter_ns()
         hits = await holder.search(index, emb.embeddings, k, department=department or None, aisle=aisle or None)
         t3 = time.perf_counter_ns()
         tm["search"] = t3 - t2
         tm["total"] = t3 - t0
-        return SearchOutcome(hits, str(index.version), emb.cache_hits, tm)
+        return SearchOutcome(hits, str(index.version), emb.cache_hits, tm, emb.backend)
 
     # --- the embedding path ------------------------------------------------------------------
     async def _embed(self, texts: list[str], deadline: float | None, tm: dict[str, int], t_start: int) -> EmbedOutcome:
@@ -159,6 +173,7 @@ class EmbedService:
         hits = [False] * n
         truncated = [False] * n
         tokens = [0] * n
+        backend = ""
         cache = self.cache
         misses: dict[str, tuple[str, list[int]]] = {}
         for i, text in enumerate(texts):
@@ -192,7 +207,7 @@ class EmbedService:
             if joined:
                 self.metrics.singleflight_joins.inc(len(joined))
             if led:
-                await self._compute(led, deadline, tm)
+                backend = await self._compute(led, deadline, tm)
             for _key, fut in joined:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -208,7 +223,7 @@ class EmbedService:
                     out[i] = entry.vector
                     truncated[i] = entry.truncated
                     tokens[i] = entry.tokens
-        return EmbedOutcome(out, hits, truncated, tokens, tm)
+        return EmbedOutcome(out, hits, truncated, tokens, tm, backend)
 
     @staticmethod
     def _settled(key: str, joined: list[tuple[str, asyncio.Future[Entry]]],
@@ -223,10 +238,12 @@ class EmbedService:
         raise KeyError(key)
 
     async def _compute(self, led: list[tuple[str, str, asyncio.Future[Entry]]], deadline: float,
-                       tm: dict[str, int]) -> None:
-        """Tokenize, bucket, admit and run the misses this request leads; settle their futures."""
+                       tm: dict[str, int]) -> str:
+        """Tokenize, bucket, admit and run the misses this request leads; settle their futures.
+
+        Returns the name of the backend that answered."""
         try:
-            if not self.backend_up:
+            if not self.backend_up and self._fallback is None:
                 raise Unavailable(f"backend {self.backend.name} is down; waiting for it to come back")
             t0 = time.perf_counter_ns()
             texts = [norm for _k, norm, _f in led]
@@ -243,10 +260,10 @@ class EmbedService:
             try:
                 if len(calls) == 1:  # the usual case: no task per call
                     ((bucket, chunk),) = calls
-                    results = [await self._run(bucket, [enc.ids[i] for i in chunk], deadline)]
+                    results = [await self._call(bucket, [enc.ids[i] for i in chunk], deadline)]
                 else:
                     results = await asyncio.gather(
-                        *(self._run(bucket, [enc.ids[i] for i in chunk], deadline) for bucket, chunk in calls))
+                        *(self._call(bucket, [enc.ids[i] for i in chunk], deadline) for bucket, chunk in calls))
             finally:
                 self.admission.release(ticket)
         except BaseException as exc:
@@ -258,7 +275,7 @@ class EmbedService:
                 self.cache.finish(key, fut, None, shared)
             raise
         queue_ns = infer_ns = 0
-        for (_bucket, chunk), (emb, q_ns, i_ns) in zip(calls, results, strict=True):
+        for (_bucket, chunk), (emb, q_ns, i_ns, _name) in zip(calls, results, strict=True):
             queue_ns = max(queue_ns, q_ns)
             infer_ns = max(infer_ns, i_ns)
             for row, i in enumerate(chunk):
@@ -267,6 +284,21 @@ class EmbedService:
         self.metrics.cache_entries.set(len(self.cache))
         tm["queue"] = queue_ns
         tm["inference"] = infer_ns
+        answered = {r[3] for r in results}
+        for name in answered:
+            self.metrics.backend_answers.labels(name).inc()
+        return ",".join(sorted(answered))
+
+    async def _call(self, bucket: int, ids: list[list[int]], deadline: float) -> tuple[Embeddings, int, int, str]:
+        """One bucket chunk on the backend, or on the embedded fallback while the backend is down."""
+        if self.backend_up or self._fallback is None:
+            try:
+                return await self._run(bucket, ids, deadline)
+            except Unavailable as exc:
+                if self._fallback is None:
+                    raise
+                self._record_error(exc)  # marks the backend down: later calls go straight to the fallback
+        return await self._fallback(bucket, ids, deadline)
 
     def _record_error(self, exc: BaseException) -> None:
         if not isinstance(exc, EmbedcarError):
@@ -285,7 +317,7 @@ class EmbedService:
 def direct_runner(backend: Backend, tokenizer: QueryTokenizer, admission: Admission, metrics: Metrics) -> Runner:
     """For backends that batch themselves (Triton): one call per bucket chunk, deadline as timeout."""
 
-    async def run(bucket: int, ids: list[list[int]], deadline: float | None) -> tuple[Embeddings, int, int]:
+    async def run(bucket: int, ids: list[list[int]], deadline: float | None) -> tuple[Embeddings, int, int, str]:
         timeout = None
         if deadline is not None:
             timeout = deadline - time.monotonic()
@@ -297,6 +329,6 @@ def direct_runner(backend: Backend, tokenizer: QueryTokenizer, admission: Admiss
         dt = time.perf_counter_ns() - t0
         admission.observe(bucket * len(ids), dt * 1e-9)
         metrics.batch_size.observe(len(ids))
-        return emb, 0, dt
+        return emb, 0, dt, backend.name
 
     return run

@@ -2,8 +2,9 @@
 
 `stub_http_server` answers POST /v1/embeddings over real sockets on 127.0.0.1:0 (HTTP/1.1,
 keep-alive), so the load generator, the HTTP target and its error mapping run for real. It can
-stall (block every request until a point in time, like a GC pause or a stuck model) and answer
-scripted status codes.
+stall (block every request until a point in time, like a GC pause or a stuck model), hold requests
+in a test's own hook until an event (a stall that ends when the test says, not after a timer) and
+answer scripted status codes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ class StubBehaviour:
     stall_after: int | None = None  # the Nth request (1-based) stalls the server ...
     stall_s: float = 0.0  # ... for this long: it and everything arriving meanwhile wait
     status_for: Callable[[int], int] = lambda n: 200  # status of the Nth request
+    on_request: Callable[[int, list[str]], Awaitable[None]] | None = None  # awaited with (N, texts) before answering
 
 
 @dataclass
@@ -63,6 +65,9 @@ class StubServer:
         self.count += 1
         n = self.count
         b = self.behaviour
+        texts = json.loads(body or b"{}").get("input", [])
+        if b.on_request is not None:
+            await b.on_request(n, texts)
         if b.stall_after is not None and n == b.stall_after:
             self.blocked_until = now + b.stall_s
         if self.blocked_until > now:
@@ -71,7 +76,6 @@ class StubServer:
             await asyncio.sleep(b.service_s)
         status = b.status_for(n)
         self.statuses[status] += 1
-        texts = json.loads(body or b"{}").get("input", [])
         payload = ({"object": "list", "model": "stub",
                     "data": [{"object": "embedding", "index": i, "embedding": [0.0]} for i, _ in enumerate(texts)]}
                    if status == 200 else {"error": STATUS_TEXT.get(status, "error")})

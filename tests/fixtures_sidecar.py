@@ -28,8 +28,8 @@ def sidecar_settings(settings: Settings, **changes: Any) -> Settings:
     base: dict[str, Any] = {"host": "127.0.0.1", "grpc_port": 0, "http_port": 0, "rate_per_s": 1e6,
                             "burst": 1_000_000, "health_poll_s": 0.2, "grace_s": 1.0,
                             # the box is shared with other test runs: correctness tests must not
-                            # trip deadlines meant for production latency
-                            "default_deadline_ms": 60_000}
+                            # trip deadlines or latency budgets meant for production latency
+                            "default_deadline_ms": 60_000, "admission_budget_ms": 0.0}
     return settings.with_section("sidecar", **(base | changes))
 
 

@@ -1,8 +1,11 @@
 """pytest fixtures for the Triton tests (loaded by tests/conftest.py).
 
-`triton_server` starts the real tritonserver from the nvidia-pytriton wheel once per test run,
+One real tritonserver from the nvidia-pytriton wheel serves the whole test run (`_triton_session`),
 in its own temporary repository and backend folder and on free loopback ports, so parallel test
-runs on the same machine do not collide.
+runs on the same machine do not collide. `triton_server` hands it to each test after checking it
+still answers: a server that a test killed, or that crashed, is restarted instead of failing every
+later test with "connection refused". Read `grpc_url` from the fixture in each test: a restart may
+have moved a port that was taken meanwhile.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ def triton_settings(settings: Settings, root: Path) -> Settings:
 
 
 @pytest.fixture(scope="session")
-def triton_server(settings: Settings, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                  ) -> Iterator[TritonServer]:
+def _triton_session(settings: Settings, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[TritonServer]:
     reason = triton_unavailable_reason()
     if reason:
         pytest.skip(reason)
@@ -34,3 +37,9 @@ def triton_server(settings: Settings, model_dir: Path, tmp_path_factory: pytest.
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def triton_server(_triton_session: TritonServer) -> TritonServer:
+    """The shared server, alive and answering over gRPC (restarted first if it was not)."""
+    return _triton_session.ensure_running()

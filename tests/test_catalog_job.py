@@ -251,6 +251,22 @@ def test_an_ivf_build_is_tuned_with_embedded_text_queries(
     assert idx.search(embed_texts([title]), k=1)[0][0].fields["title"] == title
 
 
+# Runs `embedcar catalog build` with one hook: after its first checkpoint is on disk, the process
+# says so and waits, so the test SIGKILLs it at that point on any machine, fast or slow.
+_PAUSE_AFTER_FIRST_CHECKPOINT = """
+import sys
+from catalog import job
+saved = job.ChunkedEmbedder._save_progress
+def pause(self, fingerprint, n_chunks, done):
+    saved(self, fingerprint, n_chunks, done)
+    print(f"CHECKPOINT {len(done)}/{n_chunks}", flush=True)
+    sys.stdin.readline()  # held here until the test kills the process
+job.ChunkedEmbedder._save_progress = pause
+from inference.cli_main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.slow
 def test_a_build_killed_with_sigkill_resumes_to_the_same_index(
         settings: Settings, tmp_path: Path, onnx_backend: OnnxBackend, grocery_slice: Loaded,
@@ -259,34 +275,36 @@ def test_a_build_killed_with_sigkill_resumes_to_the_same_index(
     import signal
     import subprocess
     import sys
-    import time
 
     from tests.fixtures_catalog import catalog_settings_for
 
     src = tmp_path / "slice.jsonl"
     src.write_text("".join(json.dumps({"id": p.id, **p.fields}) + "\n" for p in grocery_slice.products))
     s = catalog_settings_for(settings, tmp_path / "idx")
+    assert len(grocery_slice.products) > s.catalog.chunk_items, "the slice must span several checkpoints"
     env = {**os.environ, "EMBEDCAR_MODEL_MODELS_DIR": str(settings.model.models_dir),
            "EMBEDCAR_MODEL_INTRA_OP_THREADS": "2", "EMBEDCAR_CATALOG_INDEX_ROOT": str(s.catalog.index_root),
            "EMBEDCAR_CATALOG_CHUNK_ITEMS": str(s.catalog.chunk_items),
            "EMBEDCAR_CATALOG_BATCH_SIZE": str(s.catalog.batch_size)}
-    proc = subprocess.Popen([sys.executable, "-m", "inference.cli_main", "catalog", "build", str(src),
-                             "--no-progress"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSE_AFTER_FIRST_CHECKPOINT, "catalog", "build", str(src),
+                             "--no-progress"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            progress = list((s.catalog.index_root / ".work").glob("*/progress.json"))
-            if progress and json.loads(progress[0].read_text())["done"]:
-                break
-            time.sleep(0.02)
-        if proc.poll() is not None:
-            pytest.skip("the build finished before it could be killed (machine too fast for this test)")
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # blocks until the first checkpoint is written (or the process ends)
+        assert line.startswith("CHECKPOINT 1/"), f"the build ended before its first checkpoint: {line!r}"
         proc.send_signal(signal.SIGKILL)
     finally:
+        if proc.poll() is None:
+            proc.kill()
         proc.wait()
-    assert store.complete_versions(s.catalog.index_root) == []
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert store.complete_versions(s.catalog.index_root) == []  # nothing published by the killed run
     summary = asyncio.run(build(s, BuildSpec(source=str(src)), backend=onnx_backend, progress=False))
-    assert summary.resumed_chunks >= 1
+    assert summary.resumed_chunks == 1  # exactly the checkpoint the killed run left
     assert summary.version_dir is not None and grocery_build.version_dir is not None
     np.testing.assert_allclose(vectors(summary.version_dir), vectors(grocery_build.version_dir), atol=1e-6)
 

@@ -14,9 +14,7 @@ from pathlib import Path
 import pytest
 
 from demo_ui.search import SearchFn
-from tests.fixtures_demo import InProcessSearch, inprocess_search, running_demo, sidecar_search_target
-
-__all__ = ["inprocess_search", "sidecar_search_target"]  # fixtures imported for pytest
+from tests.fixtures_demo import running_demo, sidecar_search_fn
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -36,22 +34,17 @@ def _browser_missing() -> str | None:
 
 
 @pytest.fixture
-def page_search(request: pytest.FixtureRequest, inprocess_search: InProcessSearch) -> tuple[SearchFn, str]:
-    """The real sidecar when it can run here, else the in-process search (same protocol)."""
-    try:
-        target = request.getfixturevalue("sidecar_search_target")
-    except pytest.skip.Exception:
-        return inprocess_search, "in-process"
-    from tests.fixtures_demo import sidecar_search_fn
-
+def page_search(request: pytest.FixtureRequest) -> tuple[SearchFn, str]:
+    """The page talks to a real sidecar (no fallback); where none can run, its fixture skips and says why."""
+    reason = _browser_missing()  # checked first: no sidecar started for a test that cannot run
+    if reason:
+        pytest.skip(reason)
+    target: str = request.getfixturevalue("sidecar_search_target")
     return sidecar_search_fn(target), "sidecar"
 
 
 @pytest.mark.browser
 async def test_typing_shows_results_budget_bar_and_p95(page_search: tuple[SearchFn, str]) -> None:
-    reason = _browser_missing()
-    if reason:
-        pytest.skip(reason)
     from playwright.async_api import async_playwright
 
     search, kind = page_search

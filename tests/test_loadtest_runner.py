@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
+import pytest
 
 from loadtest.report import markdown, summarize
 from loadtest.runner import OK, RunConfig, run_load
@@ -23,48 +25,62 @@ async def _run(url: str, config: RunConfig):  # type: ignore[no-untyped-def]
         await target.close()
 
 
-async def test_every_scheduled_request_is_sent_once_close_to_its_time() -> None:
+async def test_every_scheduled_request_is_sent_once_in_order() -> None:
+    # How close to its time each request leaves is the pacer's job (test_loadtest_schedule.py, on a
+    # virtual clock) and a measured figure (`embedcar loadtest --target stub`, docs/bench/loadtest.md):
+    # on a shared machine it is not something a test can promise.
     cfg = RunConfig(rate=40, duration_s=1.0, warmup_s=0.25)
     async with stub_http_server() as server:
         result = await _run(server.url, cfg)
     assert server.count == len(result.samples) == 50
     assert [s.index for s in result.samples] == list(range(50))
+    # The schedule itself: 1/40 s apart, the warm-up before the measured window's zero.
+    assert np.allclose(np.diff([s.scheduled_s for s in result.samples]), 1 / 40)
+    assert result.samples[10].scheduled_s == 0.0
     # Warm-up requests are sent but flagged and left out of the stats.
     assert sum(s.warmup for s in result.samples) == 10
     assert len(result.measured) == 40
     assert all(s.code == OK for s in result.samples)
-    lags = np.array([s.send_lag_s for s in result.samples])
-    assert np.all(lags >= 0)
-    assert np.median(lags) < 0.05  # generous: other jobs share these 2 cores
-    # The server saw requests about 1/40 s apart, as scheduled (not bunched, not stretched).
-    gaps = np.diff(server.arrivals)
-    assert 0.015 < float(np.median(gaps)) < 0.035
+    assert all(0 <= s.send_lag_s <= s.latency_s for s in result.samples)
     summary = summarize(result, name="t")
     assert summary["requests"] == 40 and summary["ok"] == 40
     assert summary["offered_rate"] == 40
 
 
-async def test_a_server_stall_shows_in_the_latency_of_every_request_scheduled_during_it() -> None:
-    # Request 11 freezes the server for 400 ms. A closed-loop client would wait and record one
-    # slow request; an open-loop one keeps sending, and every request scheduled during the stall
-    # carries the wait in its latency (measured from its scheduled time).
-    cfg = RunConfig(rate=50, duration_s=1.5, warmup_s=0)
-    async with stub_http_server(StubBehaviour(stall_after=11, stall_s=0.4)) as server:
-        result = await _run(server.url, cfg)
+async def test_a_server_stall_shows_in_the_latency_of_every_request_sent_during_it() -> None:
+    # The server stalls at its 11th request, and the stall ends only when ten more requests have
+    # arrived behind it: a closed-loop client would never send them (and the run would time out).
+    # An open-loop one keeps sending, and each stalled request carries its wait in its latency.
+    stall_over = asyncio.Event()
+    stalled: dict[int, float] = {}  # sample index -> server arrival
+    ended: list[float] = []
+
+    async def stall(n: int, texts: list[str]) -> None:
+        if n < 11 or stall_over.is_set():
+            return
+        if len(stalled) == 10:  # the 21st request: ten arrived while the stall was on
+            ended.append(time.perf_counter())
+            stall_over.set()
+            return
+        stalled[int(texts[0].rsplit(" ", 1)[1])] = time.perf_counter()
+        await stall_over.wait()
+
+    texts = [f"organic gluten free pasta sauce number {i}" for i in range(100)]
+    cfg = RunConfig(rate=50, duration_s=1.5, warmup_s=0, deadline_ms=60_000)
+    async with stub_http_server(StubBehaviour(on_request=stall)) as server:
+        target = HttpEmbedTarget(server.url)
+        await target.start()
+        try:
+            result = await asyncio.wait_for(run_load(target, texts, cfg), 60)
+        finally:
+            stall_over.set()
+            await target.close()
+    assert ended and len(stalled) == 10, "the stall did not end by requests arriving behind it"
+    assert all(s.code == OK for s in result.samples)
     lat = {s.index: s.latency_s for s in result.samples}
-    stalled = [i for i, v in lat.items() if v > 0.1]
-    # ~20 requests are scheduled inside the 400 ms window; at least half must show it.
-    assert len(stalled) >= 10, sorted(lat.items())[:30]
-    assert lat[10] > 0.3  # the one that hit the stall first
-    # Latency falls as the scheduled time nears the stall's end: it is the remaining stall.
-    after = [lat[i] for i in range(11, 25)]
-    assert after[0] > after[-1]
-    # And the generator kept sending meanwhile: a closed-loop client would have held the requests
-    # scheduled inside the stall back by up to 400 ms; here they left about on time. (The bounds are
-    # loose because the stub server shares this event loop and the machine's two cores with pytest.)
-    during = [s.send_lag_s for s in result.samples if 10 <= s.index < 28]
-    assert float(np.median(during)) < 0.01
-    assert max(during) < 0.2
+    for i, arrived in stalled.items():
+        # Latency runs from the scheduled time (<= the arrival) to the reply (>= the stall's end).
+        assert lat[i] >= ended[0] - arrived, (i, lat[i], ended[0] - arrived)
 
 
 async def test_errors_are_counted_by_code() -> None:
@@ -81,12 +97,49 @@ async def test_errors_are_counted_by_code() -> None:
     assert "HTTP 429" in summary["error_examples"]["resource_exhausted"]
 
 
-async def test_deadline_is_counted_from_the_scheduled_time() -> None:
+async def test_a_server_that_never_answers_ends_every_request_at_its_deadline() -> None:
+    never = asyncio.Event()
+
+    async def hang(n: int, texts: list[str]) -> None:
+        await never.wait()
+
     cfg = RunConfig(rate=20, duration_s=0.5, warmup_s=0, deadline_ms=60)
-    async with stub_http_server(StubBehaviour(service_s=0.3)) as server:
-        result = await _run(server.url, cfg)
+    async with stub_http_server(StubBehaviour(on_request=hang)) as server:
+        try:
+            result = await asyncio.wait_for(_run(server.url, cfg), 60)
+        finally:
+            never.set()
+    assert len(result.samples) == 10
     assert {s.code for s in result.samples} == {"deadline_exceeded"}
-    assert all(s.latency_s < 0.3 for s in result.samples)
+    assert all(s.latency_s >= 0.060 - 1e-6 for s in result.samples)  # never given up early
+
+
+class _RecordingTarget(Target):
+    """Answers after `service_s`; records the timeout each call was given."""
+
+    name = "recording"
+
+    def __init__(self, service_s: float) -> None:
+        self.service_s = service_s
+        self.timeouts: dict[str, float] = {}  # first text -> the timeout its call got
+
+    async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
+        self.timeouts[texts[0]] = timeout_s
+        await asyncio.sleep(self.service_s)
+        return None
+
+
+async def test_deadline_is_counted_from_the_scheduled_time() -> None:
+    # One at a time, 30 ms each, offered every 25 ms: later requests wait behind the cap, and the
+    # wait is spent from their deadline (a request's budget starts at its scheduled time).
+    target = _RecordingTarget(0.03)
+    cfg = RunConfig(rate=40, duration_s=0.5, warmup_s=0, concurrency=1, deadline_ms=5_000)
+    result = await run_load(target, TEXTS, cfg)
+    assert all(s.code == OK for s in result.samples)
+    assert len(target.timeouts) == len(result.samples) == 20
+    for s in result.samples:  # request i sends TEXTS[i]
+        assert target.timeouts[TEXTS[s.index]] == pytest.approx(5.0 - s.send_lag_s, abs=1e-9)
+    assert result.samples[-1].send_lag_s > 0  # the case is not vacuous: the last one did wait
 
 
 async def test_concurrency_cap_queues_requests_and_the_wait_counts_as_latency() -> None:

@@ -29,10 +29,12 @@ async def test_triton_target_reports_per_model_statistics(triton_server: Any, mo
     summary = summarize(result, name="triton", sla_ms=30_000)
     triton = summary["triton"]
     assert triton, "no Triton statistics over the window"
-    # Only the measured window counts (warm-up left out); a warm-up reply still in flight at the
-    # window's start may land inside it on a busy machine.
+    # Only the measured window counts (warm-up left out). Triton counts a request when it finishes,
+    # so a warm-up request whose reply came after the window opened may count inside it: at most
+    # those (from the samples' own times, so this holds on a busy machine too), never the others.
     assert summary["requests"] == 15
-    assert 15 <= triton["embedder"]["requests"] <= 16
+    late_warmups = sum(1 for s in result.samples if s.warmup and s.scheduled_s + s.latency_s > 0)
+    assert 15 <= triton["embedder"]["requests"] <= 15 + late_warmups
     assert any(r["executions"] > 0 and r["avg_batch"] >= 1 for r in triton.values())
 
 

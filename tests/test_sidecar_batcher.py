@@ -41,17 +41,65 @@ async def test_queued_requests_share_one_forward_pass(probe_backend: ProbeBacken
     assert np.abs(got - want).max() < 1e-5  # every row went back to its own caller
 
 
-async def test_no_wait_at_low_traffic_and_buckets_stay_apart(probe_backend: ProbeBackend,
-                                                             tokenizer: QueryTokenizer) -> None:
-    # A 1000 s batching window: were a lone request to sit it out, this test could not finish.
-    b = MicroBatcher(probe_backend, tokenizer, max_items=32, wait_us=10**9)
+class FakeClock:
+    """A monotonic clock the test moves: every reading advances it by `step` seconds."""
+
+    def __init__(self, start: float, step: float) -> None:
+        self.now = start
+        self.step = step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+async def test_no_wait_at_low_traffic_on_a_freshly_booted_clock(probe_backend: ProbeBackend,
+                                                               tokenizer: QueryTokenizer) -> None:
+    # A clock 5 s after boot and arrivals 2000 s apart against a 1000 s batching window: were a
+    # lone request to sit the window out, this test could not finish.
+    b = MicroBatcher(probe_backend, tokenizer, max_items=32, wait_us=10**9, clock=FakeClock(5.0, 2000.0))
     b.start()
     try:
         short = tokenizer.encode(["milk"]).ids
         long = tokenizer.encode([" ".join(["bread"] * 40)]).ids
         await asyncio.wait_for(b.submit(16, short, None), 60)
-        await asyncio.gather(b.submit(16, short, None), b.submit(64, long, None))
-        assert probe_backend.calls == 3  # one pass per bucket, never mixed shapes
+        await asyncio.wait_for(b.submit(16, short, None), 60)
+        await asyncio.wait_for(b.submit(64, long, None), 60)
+        assert not b.dense()
+        assert probe_backend.calls == 3 and probe_backend.rows == 3
+    finally:
+        await b.close()
+
+
+async def test_dense_arrivals_wait_for_company_until_the_batch_is_full(probe_backend: ProbeBackend,
+                                                                      tokenizer: QueryTokenizer) -> None:
+    # Arrivals 1 µs apart against a 1000 s window: the batcher waits, and the fourth arrival (a full
+    # batch) ends the wait at once: one forward pass of four rows, long before the window closes.
+    b = MicroBatcher(probe_backend, tokenizer, max_items=4, wait_us=10**9, clock=FakeClock(5.0, 1e-6))
+    b.start()
+    try:
+        ids = tokenizer.encode([f"dense {i}" for i in range(4)]).ids
+        first = [asyncio.create_task(b.submit(16, [x], None)) for x in ids[:2]]
+        await asyncio.sleep(0.05)
+        assert b.dense() and probe_backend.calls == 0  # two rows queued, waiting for company
+        rest = [asyncio.create_task(b.submit(16, [x], None)) for x in ids[2:]]
+        await asyncio.wait_for(asyncio.gather(*first, *rest), 60)
+        assert probe_backend.calls == 1 and probe_backend.rows == 4
+    finally:
+        await b.close()
+
+
+async def test_the_wait_never_outlasts_the_oldest_deadline(probe_backend: ProbeBackend,
+                                                           tokenizer: QueryTokenizer) -> None:
+    # Dense traffic and a 1000 s window, but the queued request's deadline is 2 s away: the wait
+    # ends in time to compute it, and it is answered, not expired.
+    b = MicroBatcher(probe_backend, tokenizer, max_items=8, wait_us=10**9, clock=FakeClock(5.0, 1e-6))
+    b.start()
+    try:
+        ids = tokenizer.encode(["deadline bound"]).ids
+        await b.submit(16, ids, None)  # one forward pass: the batcher learns what one costs
+        await asyncio.wait_for(b.submit(16, ids, b._clock() + 2.0), 60)
+        assert b.dense() and probe_backend.calls == 2
     finally:
         await b.close()
 

@@ -18,8 +18,11 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from inference.backends.base import Embeddings
+from inference.backends.onnx import OnnxBackend
 from inference.errors import DeadlineExceeded, InvalidInput, Overloaded, Unauthenticated, Unavailable
 from inference.settings import Settings
+from inference.tokenizer import TokenBatch
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.client import AsyncClient, Client
 from tests.fixtures_sidecar import ProbeBackend, sidecar_settings
@@ -99,16 +102,42 @@ async def test_overload_rejects_excess_fast(settings: Settings, probe_backend: P
             assert c2.embed(["after the storm"]).cache_hits == [False]
 
 
-def test_expired_deadline_never_reaches_backend(settings: Settings, probe_backend: ProbeBackend) -> None:
+class SlowProbe(ProbeBackend):
+    """A ProbeBackend whose calls take at least `delay_s`: the sidecar's start-up calibration learns it."""
+
+    def __init__(self, inner: OnnxBackend, delay_s: float) -> None:
+        super().__init__(inner)
+        self.delay_s = delay_s
+
+    async def embed(self, batch: TokenBatch, *, timeout_s: float | None = None) -> Embeddings:
+        await asyncio.sleep(self.delay_s)
+        return await super().embed(batch, timeout_s=timeout_s)
+
+
+def test_deadline_shorter_than_the_inference_is_refused_by_the_sidecar(settings: Settings,
+                                                                      onnx_backend: OnnxBackend) -> None:
+    # Calibrated at >= 1 s per call, a 0.5 s deadline cannot be met: the sidecar must say so at once
+    # (its own rejection, counted in its metrics) and not spend the backend on it. 0.5 s is ample
+    # for the RPC itself, so the client's deadline does not expire first.
+    slow = SlowProbe(onnx_backend, delay_s=1.0)
+    with SidecarThread(sidecar_settings(settings, http_port=-1), backend=slow) as sc, Client(sc.grpc_target) as c:
+        rejected = sc.metrics.rejections.labels("deadline")
+        before, calls = rejected._value.get(), slow.calls
+        for i in range(3):
+            with pytest.raises(DeadlineExceeded) as info:
+                c.embed([f"half a second {i}"], timeout_s=0.5)
+            assert info.value.message.strip().lower() != "deadline exceeded", "the client's deadline, not the sidecar's"
+        assert rejected._value.get() == before + 3
+        assert slow.calls == calls  # refused before the backend
+        # A deadline the estimate fits is admitted and computed.
+        assert c.embed(["half a second 0"], timeout_s=60).cache_hits == [False]
+        assert slow.calls == calls + 1
+
+
+def test_deadline_passing_in_the_queue_is_never_computed(settings: Settings, probe_backend: ProbeBackend) -> None:
     with SidecarThread(sidecar_settings(settings, http_port=-1), backend=probe_backend) as sc, \
             Client(sc.grpc_target) as c:
         calls = probe_backend.calls
-        for i in range(5):
-            with pytest.raises(DeadlineExceeded):
-                c.embed([f"one millisecond {i}"], timeout_s=0.001)
-        time.sleep(0.3)
-        assert probe_backend.calls == calls
-
         # A request whose deadline passes while it waits behind a stalled batch is dropped, not run.
         probe_backend.hold.clear()
         first = threading.Thread(target=lambda: c.embed(["the slow one"], timeout_s=60))
@@ -118,9 +147,11 @@ def test_expired_deadline_never_reaches_backend(settings: Settings, probe_backen
             c.embed(["expires in the queue"], timeout_s=0.3)
         probe_backend.hold.set()
         first.join(30)
-        time.sleep(0.3)
-        assert probe_backend.calls == calls + 1
+        # The next call reaches the backend only after anything still queued ahead of it.
+        assert c.embed(["a later one"]).cache_hits == [False]
+        assert probe_backend.calls == calls + 2
         assert c.embed(["expires in the queue"]).cache_hits == [False]  # it was never computed
+        assert probe_backend.calls == calls + 3
 
 
 def test_backend_down_fails_fast_and_recovers(settings: Settings, probe_backend: ProbeBackend) -> None:
@@ -140,21 +171,37 @@ def test_backend_down_fails_fast_and_recovers(settings: Settings, probe_backend:
         assert c.embed(["while down 1"]).cache_hits == [False]  # recovered without a restart
 
 
+def refuses_rpcs(target: str) -> bool:
+    """The gRPC server at `target` no longer takes calls (a health check is refused, not answered)."""
+    with grpc.insecure_channel(target) as ch:
+        try:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        except grpc.RpcError as exc:
+            return bool(exc.code() == grpc.StatusCode.UNAVAILABLE)
+        return False
+
+
 def test_graceful_stop_finishes_in_flight(settings: Settings, probe_backend: ProbeBackend) -> None:
     t = SidecarThread(sidecar_settings(settings, http_port=-1), backend=probe_backend)
     with t as sc, Client(sc.grpc_target) as c:
         probe_backend.hold.clear()
         box: dict[str, object] = {}
+        calls = probe_backend.calls
         req = threading.Thread(target=lambda: box.update(r=c.embed(["in flight at shutdown"], timeout_s=60)))
         req.start()
-        assert wait_for(lambda: probe_backend.calls > 0 and sc.admission.outstanding_items == 1)
+        assert wait_for(lambda: probe_backend.calls == calls + 1 and sc.admission.outstanding_items == 1)
         stopper = threading.Thread(target=lambda: t.call(sc.stop(grace_s=20)))
         stopper.start()
-        time.sleep(0.3)
+        # The stop is under way (the server refuses new calls) while the in-flight call is still held ...
+        assert wait_for(lambda: refuses_rpcs(sc.grpc_target))
+        assert stopper.is_alive() and req.is_alive() and "r" not in box
         probe_backend.hold.set()
+        # ... and that call still gets its answer, and only then does the stop complete.
         req.join(30)
         stopper.join(30)
-        assert "r" in box  # finished with an answer
+        assert not req.is_alive() and not stopper.is_alive()
+        assert "r" in box and box["r"].embeddings.shape == (1, 384)  # type: ignore[attr-defined]
+        assert probe_backend.calls == calls + 1
         with pytest.raises(Unavailable):
             c.embed(["after stop"], timeout_s=5)
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from catalog.job import publish_index
 from catalog.sources import Product
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import Embedder
-from inference.errors import InvalidInput, Unavailable
+from inference.errors import FailedPrecondition, InvalidInput, Unavailable
 from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer
 from sidecar.app import SidecarThread
@@ -75,7 +76,24 @@ def test_search_unavailable_until_index_then_hot_reload(settings: Settings, onnx
         assert "p9" in {h.id for h in c.search(["goat milk yogurt"], k=3).hits[0]}
 
 
-def test_search_without_index_dir_is_unavailable(sidecar_client: Client) -> None:
-    with pytest.raises(Unavailable, match="no index_dir"):
+def test_search_without_index_dir_is_a_failed_precondition(sidecar_client: Client) -> None:
+    # A configuration error: UNAVAILABLE would tell the client to retry something that cannot work.
+    with pytest.raises(FailedPrecondition, match="no index_dir") as err:
         sidecar_client.search(["milk"])
+    assert not isinstance(err.value, Unavailable) and err.value.code == "failed_precondition"
+
+
+def test_search_on_an_index_of_another_model_is_a_failed_precondition(
+        settings: Settings, onnx_backend: OnnxBackend, tmp_path: Path) -> None:
+    root = tmp_path / "index"
+    items = [Product(pid, {"title": t, "aisle": a, "department": d}, n + 1)
+             for n, (pid, t, a, d) in enumerate(PRODUCTS)]
+    vectors = np.zeros((len(items), onnx_backend.dim), dtype=np.float32)
+    vectors[:, 0] = 1.0
+    s = settings.with_section("catalog", index_root=root, index_type="flat", use_gpu=False)
+    publish_index(s, vectors, items, {"model_id": "some-other-model@fp32"})
+    s = sidecar_settings(s, http_port=-1, index_dir=root)
+    with SidecarThread(s, backend=onnx_backend) as sc, Client(sc.grpc_target) as c, \
+            pytest.raises(FailedPrecondition, match="built with model some-other-model"):
+        c.search(["milk"])
 

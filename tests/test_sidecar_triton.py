@@ -65,9 +65,10 @@ def own_triton(settings: Settings, model_dir: Path, tmp_path: Path) -> Iterator[
 
 
 @pytest.mark.slow
-def test_triton_killed_mid_load_then_restarted(settings: Settings, own_triton: TritonServer) -> None:
-    s = triton_sidecar_settings(settings, own_triton)
+def test_triton_killed_mid_load_then_restarted_without_fallback(settings: Settings, own_triton: TritonServer) -> None:
+    s = triton_sidecar_settings(settings, own_triton).with_section("sidecar", embedded_fallback=False)
     with SidecarThread(s) as sc, Client(sc.grpc_target) as c:
+        assert sc.fallback is None
         assert c.embed(["before the crash"]).embeddings.shape == (1, 384)
         errors: list[EmbedcarError] = []
         ok = [0]
@@ -103,3 +104,47 @@ def test_triton_killed_mid_load_then_restarted(settings: Settings, own_triton: T
         finally:
             stop.set()
             worker.join(60)
+
+
+@pytest.mark.slow
+def test_embedded_fallback_answers_while_triton_is_down(settings: Settings, own_triton: TritonServer,
+                                                        onnx_backend: OnnxBackend, tokenizer: QueryTokenizer) -> None:
+    s = triton_sidecar_settings(settings, own_triton)
+    with SidecarThread(s) as sc, Client(sc.grpc_target) as c:
+        assert sc.fallback is not None  # on by default: the model files are here
+        assert c.embed(["before the crash"]).backend == "triton"
+        errors: list[EmbedcarError] = []
+        answered: list[str] = []
+        stop = threading.Event()
+
+        def load() -> None:  # steady stream of cache misses
+            i = 0
+            while not stop.is_set():
+                i += 1
+                try:
+                    answered.append(c.embed([f"fallback load query {i}"], timeout_s=30).backend)
+                except EmbedcarError as exc:
+                    errors.append(exc)
+
+        worker = threading.Thread(target=load)
+        worker.start()
+        try:
+            assert wait_for(lambda: answered.count("triton") >= 3)
+            own_triton.kill()
+            assert wait_for(lambda: answered.count("embedded-fallback") >= 5, 60)
+            # The outage is invisible to callers: same embeddings, still SERVING, nothing failed.
+            during = c.embed(["oat milk during the outage"])
+            assert during.backend == "embedded-fallback"
+            ref = reference(onnx_backend, tokenizer, ["oat milk during the outage"])
+            assert float(np.sum(during.embeddings * ref)) >= 0.9999
+            assert health(sc.grpc_target) == health_pb2.HealthCheckResponse.SERVING
+
+            own_triton.start()  # same ports; the sidecar is not touched
+            assert wait_for(lambda: answered[-1] == "triton", 60)
+            assert c.embed(["after the restart"]).backend == "triton"
+        finally:
+            stop.set()
+            worker.join(60)
+        assert errors == []
+        counts = sc.metrics.backend_answers
+        assert counts.labels("embedded-fallback")._value.get() >= 5

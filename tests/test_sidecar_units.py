@@ -11,6 +11,7 @@ import pytest
 
 from inference.errors import (
     DeadlineExceeded,
+    FailedPrecondition,
     Internal,
     InvalidInput,
     ModelError,
@@ -109,6 +110,27 @@ def test_admission_deadlines_and_cap() -> None:
     a.admit(4, 64, deadline=None)
 
 
+def test_admission_budget_bounds_the_wait_not_the_request() -> None:
+    a = Admission(max_outstanding_items=100, s_per_token=1e-4, budget_s=0.010)  # 16 tokens ~ 1.6 ms
+    big = a.admit(8, 160, deadline=110.0, now=100.0)  # 16 ms alone, over the budget: idle, so admitted
+    with pytest.raises(Overloaded, match="queueing budget") as err:
+        a.admit(1, 16, deadline=110.0, now=100.0)  # the deadline allows it, the budget does not
+    assert err.value.retry_after_s == pytest.approx(0.006)  # when the queue will be back within budget
+    a.release(big)
+    queued = [a.admit(1, 16, deadline=110.0, now=100.0) for _ in range(7)]  # waits of 0 .. 9.6 ms
+    with pytest.raises(Overloaded):
+        a.admit(1, 16, deadline=110.0, now=100.0)  # would wait 11.2 ms
+    for t in queued:
+        a.release(t)
+    assert Admission(max_outstanding_items=100, s_per_token=1e-4).budget_s == 0.0  # off: deadline only
+    # A backend slower per call than the budget: each request may still wait for one other.
+    slow = Admission(max_outstanding_items=100, s_per_token=1e-4, s_per_call=0.020, budget_s=0.010)
+    slow.admit(1, 16, deadline=110.0, now=100.0)
+    slow.admit(1, 16, deadline=110.0, now=100.0)  # waits ~21.6 ms <= its own ~21.6 ms
+    with pytest.raises(Overloaded):
+        slow.admit(1, 16, deadline=110.0, now=100.0)  # would wait ~23.2 ms
+
+
 def test_admission_learns_backend_speed() -> None:
     a = Admission(max_outstanding_items=10, s_per_token=1e-4, alpha=0.5)
     a.observe(100, 0.1)  # 1 ms per token
@@ -123,6 +145,7 @@ def test_admission_learns_backend_speed() -> None:
     (DeadlineExceeded("x"), grpc.StatusCode.DEADLINE_EXCEEDED, 504),
     (Unavailable("x"), grpc.StatusCode.UNAVAILABLE, 503),
     (ModelError("x"), grpc.StatusCode.FAILED_PRECONDITION, 500),
+    (FailedPrecondition("x"), grpc.StatusCode.FAILED_PRECONDITION, 400),
     (Internal("x"), grpc.StatusCode.INTERNAL, 500),
 ])
 def test_error_mapping(exc: Exception, code: grpc.StatusCode, status: int) -> None:
@@ -134,6 +157,9 @@ def test_client_side_mapping_keeps_code_and_hint() -> None:
     e = from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", 0.25)
     assert isinstance(e, Overloaded) and e.code == "resource_exhausted" and e.retry_after_s == 0.25
     assert isinstance(from_grpc(grpc.StatusCode.UNKNOWN, None), Internal)
+    # A configuration error reaches the client as itself, not as a retryable Unavailable.
+    e = from_grpc(grpc.StatusCode.FAILED_PRECONDITION, "no product index loaded")
+    assert isinstance(e, FailedPrecondition) and not isinstance(e, Unavailable)
 
 
 # --- HTTP body parsing ------------------------------------------------------------------------

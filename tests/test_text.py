@@ -30,6 +30,8 @@ def test_decode_rejects_invalid_utf8() -> None:
         (["ok", "  \t"], "text 1 is empty"),
         (["ok", 3], "text 1 is a int"),
         (["x"] * 5, "over the maximum of 4"),
+        (["ok", "caf\u00e9 \ud800"], "text 1 holds a lone surrogate .U.D800 at character 5"),
+        (["\udfff"], "text 0 holds a lone surrogate"),
     ],
 )
 def test_bad_batches_get_clear_errors(texts: list[object], message: str) -> None:

@@ -104,6 +104,14 @@ def test_failed_build_leaves_no_engine(tmp_path: Path) -> None:
 
 
 # --- the real TensorRT path ---------------------------------------------------------------------
+def _ready(http_port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=1) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def gpu_triton(settings: Settings, manifest: Manifest, model_dir: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
@@ -125,14 +133,14 @@ def gpu_triton(settings: Settings, manifest: Manifest, model_dir: Path,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (tmp / "tritonserver.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
+        while not _ready(http):
+            if proc.poll() is not None:
+                pytest.fail(f"tritonserver (GPU) exited during start-up (status {proc.returncode}); log tail:\n"
+                            f"{(tmp / 'tritonserver.log').read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail("tritonserver (GPU) not ready after 300 s; log tail:\n"
+                            f"{(tmp / 'tritonserver.log').read_text()[-3000:]}")
+            time.sleep(0.5)
         yield f"127.0.0.1:{grpc}"
     finally:
         os.killpg(proc.pid, 15)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -60,18 +62,74 @@ async def test_ensemble_matches_embedded_every_bucket(backend: TritonBackend, on
         assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-4)
 
 
-async def test_dynamic_batching_happens(backend: TritonBackend, tokenizer: QueryTokenizer) -> None:
+def _stub_pids(server: TritonServer, model: str) -> list[int]:
+    """The Python-backend stub processes serving `model` (the server's children)."""
+    children = [int(c) for t in Path(f"/proc/{server.pid}/task").iterdir()
+                for c in (t / "children").read_text().split()]
+    out = []
+    for pid in children:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if args[0].endswith(b"triton_python_backend_stub") and f"/{model}/".encode() in args[1]:
+            out.append(pid)
+    return out
+
+
+def _pending(server: TritonServer, model: str) -> float:
+    """Triton's gauge of requests queued for `model` and not yet handed to an instance."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(rf'^nv_inference_pending_request_count{{model="{model}",version="1"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+async def test_dynamic_batching_happens(triton_server: TritonServer, backend: TritonBackend,
+                                        tokenizer: QueryTokenizer) -> None:
+    """Requests that queue while every encoder instance is busy go to the model together.
+
+    "Busy" is made certain, not hoped for: the encoder's stub processes are frozen (SIGSTOP) until
+    Triton reports requests waiting in its queue, so the machine's speed does not decide the outcome.
+    Few, short requests: the queued batch must finish well inside Triton's 2 s queue timeout even on
+    a loaded machine.
+    """
+    n = 8
     before = (await backend.statistics())["encoder"]
-    batch = tokenizer.batch(tokenizer.encode(["bananas"]).ids, length=32)
-    results = await asyncio.gather(*(backend.embed(batch) for _ in range(48)))
-    after = (await backend.statistics())["encoder"]
+    batch = tokenizer.batch(tokenizer.encode(["bananas"]).ids, length=16)
+    stubs = _stub_pids(triton_server, "encoder")
+    assert stubs, "no encoder stub process found"
+    for pid in stubs:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        tasks = [asyncio.create_task(backend.embed(batch)) for _ in range(n)]
+        for _ in range(600):  # event: Triton holds at least two requests behind the frozen instances
+            if await asyncio.to_thread(_pending, triton_server, "encoder") >= 2:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            pytest.fail("Triton never queued two requests for the encoder")
+    finally:
+        for pid in stubs:
+            os.kill(pid, signal.SIGCONT)
+    results = await asyncio.gather(*tasks)
     assert all(np.allclose(r, results[0], atol=1e-5) for r in results)
+    for _ in range(200):  # Triton records a batch's statistics just after sending its replies
+        after = (await backend.statistics())["encoder"]
+        if after["inference_count"] - before["inference_count"] >= n:
+            break
+        await asyncio.sleep(0.05)
     inferences = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]
-    # >= : the server is shared by the session, and a request of an earlier test may finish (and
-    # be counted) inside this window. Without batching, executions would equal inferences.
-    assert inferences >= 48
-    assert executions < inferences, "concurrent same-shape requests were never batched together"
+    assert inferences >= n
+    assert executions < inferences, "queued same-shape requests were not batched together"
+    grew = [k for k in after if k.startswith("batch_") and k != "batch_1_count" and after[k] > before.get(k, 0)]
+    assert grew, "no execution of more than one request"
+
+
+def test_a_killed_shared_server_is_restarted_for_the_next_test(triton_server: TritonServer) -> None:
+    # What the function-scoped `triton_server` fixture does before each test.
+    triton_server.kill()
+    assert not triton_server.running() and not triton_server.answers()
+    assert triton_server.ensure_running() is triton_server
+    assert triton_server.running() and triton_server.answers()
 
 
 async def test_statistics_cover_every_step(backend: TritonBackend, tokenizer: QueryTokenizer) -> None:

@@ -28,7 +28,9 @@ const state = {
 
 function connect() {
   const proto = location.protocol === "https:" ? "wss:" : "ws:";
-  const ws = new WebSocket(`${proto}//${location.host}/ws`);
+  // With API keys set the socket needs one: pass on the page's own ?api_key= (no headers in browsers).
+  const key = new URLSearchParams(location.search).get("api_key");
+  const ws = new WebSocket(`${proto}//${location.host}/ws` + (key ? `?api_key=${encodeURIComponent(key)}` : ""));
   state.ws = ws;
   ws.onopen = () => {
     setStatus("connected", "ok");

@@ -63,6 +63,20 @@ def map_error(exc: Exception, url: str) -> EmbedcarError:
     return Internal(msg)
 
 
+def all_failed(failed: Sequence[tuple[EmbedcarError, Exception]]) -> Unavailable:
+    """One error when no endpoint answered: each URL with its own error (map_error names the URL)."""
+    if not failed:
+        return Unavailable("no Triton endpoint configured (backend closed?)")
+    if len(failed) == 1:
+        err, cause = failed[0]
+        out = err if isinstance(err, Unavailable) else Unavailable(err.message)
+    else:
+        cause = failed[-1][1]
+        out = Unavailable(f"all {len(failed)} Triton endpoints failed: " + "; ".join(e.message for e, _ in failed))
+    out.__cause__ = cause
+    return out
+
+
 @dataclass(slots=True)
 class _Endpoint:
     url: str
@@ -247,7 +261,7 @@ class TritonBackend(Backend):
         timeout = timeout_s or self.timeout_s
         request = self._request(batch, timeout)
         t0 = time.perf_counter()
-        last: EmbedcarError = Unavailable("no Triton endpoint")
+        failed: list[tuple[EmbedcarError, Exception]] = []
         for ep in self._order():
             try:
                 emb = self._embedding(await ep.stub.ModelInfer(request, timeout=timeout))
@@ -256,7 +270,7 @@ class TritonBackend(Backend):
                 self.stats.errors[err.code] = self.stats.errors.get(err.code, 0) + 1
                 if isinstance(err, Unavailable):
                     self._mark(ep, False)
-                    last = err
+                    failed.append((err, exc))
                     continue  # another URL may be up; embeddings are idempotent, so retry is safe
                 raise err from exc
             if emb is None or emb.shape != (b, self.dim):
@@ -266,7 +280,7 @@ class TritonBackend(Backend):
             self.stats.items += b
             self.stats.busy_s += time.perf_counter() - t0
             return emb.astype(np.float32, copy=False)
-        raise last
+        raise all_failed(failed)
 
     # --- statistics --------------------------------------------------------------------------
     async def statistics(self) -> dict[str, dict[str, float | int]]:

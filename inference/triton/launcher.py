@@ -4,6 +4,10 @@
 Python), generates the CPU model repository, starts tritonserver in its own process group on
 loopback, waits for readiness and warms every bucket. `stop()` ends the whole group, so no
 backend stub outlives the server; `kill()` is SIGKILL for fault tests.
+
+Start-up is ready only when this process listens on its own ports and answers over HTTP and gRPC:
+a port taken by someone else between choosing and binding (or a foreign server answering on it)
+is a bind failure, retried on fresh ports when the ports were chosen here, named when given.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import importlib.util
 import logging
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -99,6 +104,76 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+# --- who listens on a port (Linux /proc) -------------------------------------------------------
+_WILDCARDS = {"0.0.0.0", "::"}
+
+
+def _proc_ip(hex_addr: str) -> str:
+    raw = bytes.fromhex(hex_addr)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    # tcp6: four 32-bit words, each in host (little-endian) order
+    return socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+
+
+def listening_sockets(port: int, host: str) -> set[int] | None:
+    """Inodes of the TCP sockets listening on `port` at `host` or a wildcard; None where /proc has no table."""
+    found: set[int] = set()
+    tables = [Path("/proc/net/tcp"), Path("/proc/net/tcp6")]
+    if not any(t.exists() for t in tables):
+        return None
+    wanted = {host, f"::ffff:{host}"} | _WILDCARDS
+    for table in tables:
+        with contextlib.suppress(OSError):
+            for line in table.read_text().splitlines()[1:]:
+                cols = line.split()
+                if len(cols) < 10 or cols[3] != "0A":  # 0A = LISTEN
+                    continue
+                addr, _, hex_port = cols[1].partition(":")
+                if int(hex_port, 16) == port and _proc_ip(addr) in wanted:
+                    found.add(int(cols[9]))
+    return found
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """Inodes of the sockets process `pid` holds open."""
+    out: set[int] = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = str(fd.readlink())
+                if target.startswith("socket:["):
+                    out.add(int(target[8:-1]))
+    return out
+
+
+def socket_owners(inodes: set[int]) -> list[str]:
+    """"pid N (name)" of each process holding one of these sockets (for error messages only: it scans /proc)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        if socket_inodes(int(proc.name)) & inodes:
+            with contextlib.suppress(OSError):
+                out.append(f"pid {proc.name} ({(proc / 'comm').read_text().strip()})")
+    return out
+
+
+class BindFailure(Unavailable):
+    """tritonserver could not have (or does not have) one of its ports; `kinds` names which, if known."""
+
+    def __init__(self, message: str, kinds: frozenset[str]) -> None:
+        super().__init__(message)
+        self.kinds = kinds
+
+
+PORT_KINDS = ("grpc", "http", "metrics")
+_KIND_NAMES = {"grpc": "gRPC", "http": "HTTP", "metrics": "metrics"}
+_LOG_KINDS = {"GRPC": "grpc", "HTTP": "http", "METRICS": "metrics"}
+_FAILED_SERVICE = re.compile(r"failed to start (\w+) service", re.IGNORECASE)
+_IN_USE = re.compile(r"address already in use|already in use", re.IGNORECASE)
+
+
 def assemble_backend_dir(dest: Path) -> Path:
     """<dest>/python/{libtriton_python.so, triton_python_backend_utils.py, triton_python_backend_stub}.
 
@@ -124,6 +199,8 @@ def assemble_backend_dir(dest: Path) -> Path:
 class TritonServer:
     """`with TritonServer(settings) as t:` -> a ready tritonserver at `t.grpc_url`."""
 
+    start_attempts = 3  # bind failures retried on fresh ports (automatic ports only)
+
     def __init__(self, settings: Settings, *, variant: str | None = None, grpc_port: int | None = None,
                  http_port: int | None = None, metrics_port: int | None = None,
                  log_file: Path | None = None, extra_args: Sequence[str] = ()) -> None:
@@ -131,14 +208,18 @@ class TritonServer:
         self.extra_args = list(extra_args)  # more tritonserver flags, e.g. tracing for a benchmark
         self.variant = variant or settings.model.variant
         self.host = settings.triton.host
-        self.grpc_port = grpc_port or free_port(self.host)
-        self.http_port = http_port or free_port(self.host)
-        self.metrics_port = metrics_port or free_port(self.host)
-        self.log_file = log_file or settings.triton.repo_dir.parent / f"tritonserver-{self.grpc_port}.log"
+        # 0/None = chosen by start(), right before Popen (a port picked earlier can be gone by then).
+        self.grpc_port = grpc_port or 0
+        self.http_port = http_port or 0
+        self.metrics_port = metrics_port or 0
+        self.given_ports = frozenset(k for k, p in zip(PORT_KINDS, (grpc_port, http_port, metrics_port),
+                                                       strict=True) if p)
+        self._log_file = log_file
+        self._log_offset = 0  # where this attempt's lines start in the (appended) log
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
-        # Unique per server: several tritonservers on one machine must not share /dev/shm regions.
-        self._shm_prefix = f"embedcar_{os.getpid()}_{self.grpc_port}_"
+        self._shm_prefix = ""
+        self._started_once = False
         self.repo: Path | None = None
 
     # --- addresses -------------------------------------------------------------------------
@@ -155,11 +236,49 @@ class TritonServer:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
     @property
+    def log_file(self) -> Path:
+        return self._log_file or self.settings.triton.repo_dir.parent / f"tritonserver-{self.grpc_port}.log"
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    def answers(self, timeout_s: float = 10.0) -> bool:
+        """The process is alive and says over its own gRPC port that it and the ensemble are ready."""
+        if not self.running():
+            return False
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        client = grpcclient.InferenceServerClient(self.grpc_url)
+        try:
+            return bool(client.is_server_ready(client_timeout=timeout_s)
+                        and client.is_model_ready(ENSEMBLE, client_timeout=timeout_s))
+        except InferenceServerException:
+            return False
+        finally:
+            client.close()
+
+    def ensure_running(self) -> Self:
+        """Restart a server that died or stopped answering (a shared test server, a supervisor)."""
+        if self._started_once and self.answers():
+            return self
+        if self._started_once:
+            log.warning("tritonserver on %s is gone or not answering; restarting it", self.grpc_url)
+        self.stop()
+        return self.start()
+
+    def _metrics_enabled(self) -> bool:
+        return not re.search(r"--allow-metrics[= ](false|0)\b", " ".join(self.extra_args), re.IGNORECASE)
+
+    def _port_kinds(self) -> tuple[str, ...]:
+        return PORT_KINDS if self._metrics_enabled() else PORT_KINDS[:2]
+
+    def port_of(self, kind: str) -> int:
+        return int(getattr(self, f"{kind}_port"))
 
     # --- lifecycle -------------------------------------------------------------------------
     def command(self) -> list[str]:
@@ -203,31 +322,119 @@ class TritonServer:
         repo_dir = self.settings.triton.repo_dir
         self.repo = generate_repository(self.settings, manifest, model_dir, target="cpu", variant=self.variant,
                                         out_dir=repo_dir.with_name(f"{repo_dir.name}-cpu-{self.variant}"))
+        auto = [k for k in self._port_kinds() if k not in self.given_ports]
+        attempts = max(1, self.start_attempts) if auto else 1
+        # A restart keeps its ports (clients know them) unless one of them has been taken since.
+        fresh = not self._started_once
+        for attempt in range(1, attempts + 1):
+            if fresh:
+                for kind, port in self._pick_ports(auto).items():
+                    setattr(self, f"{kind}_port", port)
+            try:
+                self._launch()
+                self._wait_ready(self.settings.triton.startup_timeout_s)
+                self.warm_up(manifest)
+                if not self.running():
+                    raise Unavailable(f"tritonserver exited after warm-up; last log lines:\n{self.log_tail()}")
+            except BindFailure as exc:
+                self.stop()
+                given = (exc.kinds or frozenset(self._port_kinds())) & self.given_ports
+                if given or attempt == attempts:
+                    raise
+                log.warning("tritonserver start attempt %d/%d: %s; retrying on fresh ports",
+                            attempt, attempts, exc.message)
+                fresh = True
+                continue
+            except BaseException:
+                self.stop()
+                raise
+            self._started_once = True
+            return self
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _pick_ports(self, kinds: Sequence[str]) -> dict[str, int]:
+        """A free port per kind, all held open together so they differ; called right before Popen."""
+        with contextlib.ExitStack() as stack:
+            out: dict[str, int] = {}
+            for kind in kinds:
+                s = stack.enter_context(socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET))
+                s.bind((self.host, 0))
+                out[kind] = int(s.getsockname()[1])
+            return out
+
+    def _launch(self) -> None:
+        # Unique per server: several tritonservers on one machine must not share /dev/shm regions.
+        self._shm_prefix = f"embedcar_{os.getpid()}_{self.grpc_port}_"
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_file.open("ab")
+        self._log_offset = self._log.tell()
         log.info("starting tritonserver on %s (log %s)", self.grpc_url, self.log_file)
         self._proc = subprocess.Popen(self.command(), env=self._env(), stdout=self._log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            self._wait_ready(self.settings.triton.startup_timeout_s)
-            self.warm_up(manifest)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+
+    def _describe_port(self, kind: str) -> str:
+        how = "given" if kind in self.given_ports else "chosen automatically"
+        return f"{_KIND_NAMES[kind]} port {self.host}:{self.port_of(kind)} ({how})"
+
+    def _foreign(self) -> dict[str, set[int]]:
+        """Port kind -> the sockets some other process listens with there (tritonserver cannot bind it)."""
+        assert self._proc is not None
+        found = {k: listening_sockets(self.port_of(k), self.host) for k in self._port_kinds()}
+        # Read our sockets after the listeners: a socket is ours in /proc/<pid>/fd before it listens.
+        ours = socket_inodes(self._proc.pid)
+        return {k: ls for k, ls in found.items() if ls and not ls & ours}
+
+    def _owns_ports(self) -> bool:
+        """Every port is listened on by this tritonserver (True where /proc cannot tell)."""
+        assert self._proc is not None
+        found = [listening_sockets(self.port_of(k), self.host) for k in self._port_kinds()]
+        ours = socket_inodes(self._proc.pid)
+        return all(ls is None or ls & ours for ls in found)
+
+    def _exit_failure(self) -> Unavailable:
+        """Why the process ended during start-up, from this attempt's log lines."""
+        text = self._attempt_log()
+        if _IN_USE.search(text):
+            kinds = frozenset(_LOG_KINDS[m.group(1).upper()] for m in _FAILED_SERVICE.finditer(text)
+                              if m.group(1).upper() in _LOG_KINDS)
+            where = ", ".join(self._describe_port(k) for k in sorted(kinds)) or "one of its ports"
+            return BindFailure(f"tritonserver could not listen on {where}: address already in use; "
+                               f"last log lines:\n{self.log_tail()}", kinds)
+        return Unavailable(f"tritonserver exited during start-up; last log lines:\n{self.log_tail()}")
 
     def _wait_ready(self, timeout_s: float) -> None:
+        """Ready = alive, every port ours, HTTP ready and gRPC ServerReady + ModelReady(ensemble)."""
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
         deadline = time.monotonic() + timeout_s
         url = f"{self.http_url}/v2/health/ready"
-        while time.monotonic() < deadline:
-            if self._proc is None or self._proc.poll() is not None:
-                raise Unavailable(f"tritonserver exited during start-up; last log lines:\n{self.log_tail()}")
-            with contextlib.suppress(urllib.error.URLError, OSError), \
-                    urllib.request.urlopen(url, timeout=1.0) as r:
-                if r.status == 200:
-                    return
-            time.sleep(0.1)
+        client = grpcclient.InferenceServerClient(self.grpc_url)
+        try:
+            while time.monotonic() < deadline:
+                if self._proc is None or self._proc.poll() is not None:
+                    raise self._exit_failure()
+                foreign = self._foreign()
+                if foreign:
+                    where = ", ".join(self._describe_port(k) for k in foreign)
+                    owners = ", ".join(socket_owners(set().union(*foreign.values()))) or "another process"
+                    raise BindFailure(f"{owners} listens on tritonserver's {where}: address already in use",
+                                      frozenset(foreign))
+                if self._http_ready(url) and self._owns_ports():
+                    with contextlib.suppress(InferenceServerException):
+                        if client.is_server_ready(client_timeout=5.0) and \
+                                client.is_model_ready(ENSEMBLE, client_timeout=5.0):
+                            return
+                time.sleep(0.1)
+        finally:
+            client.close()
         raise Unavailable(f"tritonserver not ready after {timeout_s:.0f} s; last log lines:\n{self.log_tail()}")
+
+    @staticmethod
+    def _http_ready(url: str) -> bool:
+        with contextlib.suppress(urllib.error.URLError, OSError), urllib.request.urlopen(url, timeout=1.0) as r:
+            return bool(r.status == 200)
+        return False
 
     def warm_up(self, manifest: Manifest | None = None) -> None:
         """One request per bucket (batch 1 and 2): ORT and the stubs set up each shape before traffic."""
@@ -295,14 +502,22 @@ class TritonServer:
             self._log.close()
             self._log = None
         # A killed stub leaves its shared-memory regions behind.
-        for f in Path("/dev/shm").glob(f"{self._shm_prefix}*"):
-            f.unlink(missing_ok=True)
+        if self._shm_prefix:  # empty before the first launch: never glob all of /dev/shm
+            for f in Path("/dev/shm").glob(f"{self._shm_prefix}*"):
+                f.unlink(missing_ok=True)
+
+    def _attempt_log(self) -> str:
+        """The log lines written since the latest start attempt (the file is appended across starts)."""
+        try:
+            with self.log_file.open("rb") as f:
+                f.seek(self._log_offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        text = self._attempt_log()
+        return "\n".join(text.splitlines()[-lines:]) if text else "(no log)"
 
     def __enter__(self) -> Self:
         return self.start()

@@ -44,7 +44,7 @@ class EmbedRequest(_message.Message):
     def __init__(self, texts: _Optional[_Iterable[str]] = ..., float16: _Optional[bool] = ...) -> None: ...
 
 class EmbedReply(_message.Message):
-    __slots__ = ("embeddings", "rows", "dim", "dtype", "model", "cache_hits", "truncated", "timings")
+    __slots__ = ("embeddings", "rows", "dim", "dtype", "model", "cache_hits", "truncated", "timings", "backend")
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class EmbedReply(_message.Message):
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     embeddings: bytes
     rows: int
     dim: int
@@ -61,7 +62,8 @@ class EmbedReply(_message.Message):
     cache_hits: _containers.RepeatedScalarFieldContainer[bool]
     truncated: _containers.RepeatedScalarFieldContainer[bool]
     timings: Timings
-    def __init__(self, embeddings: _Optional[bytes] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., model: _Optional[str] = ..., cache_hits: _Optional[_Iterable[bool]] = ..., truncated: _Optional[_Iterable[bool]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    backend: str
+    def __init__(self, embeddings: _Optional[bytes] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., model: _Optional[str] = ..., cache_hits: _Optional[_Iterable[bool]] = ..., truncated: _Optional[_Iterable[bool]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class SearchRequest(_message.Message):
     __slots__ = ("texts", "k", "department", "aisle")
@@ -99,15 +101,17 @@ class HitList(_message.Message):
     def __init__(self, hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ...) -> None: ...
 
 class SearchReply(_message.Message):
-    __slots__ = ("results", "model", "index_version", "cache_hits", "timings")
+    __slots__ = ("results", "model", "index_version", "cache_hits", "timings", "backend")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[HitList]
     model: str
     index_version: str
     cache_hits: _containers.RepeatedScalarFieldContainer[bool]
     timings: Timings
-    def __init__(self, results: _Optional[_Iterable[_Union[HitList, _Mapping]]] = ..., model: _Optional[str] = ..., index_version: _Optional[str] = ..., cache_hits: _Optional[_Iterable[bool]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    backend: str
+    def __init__(self, results: _Optional[_Iterable[_Union[HitList, _Mapping]]] = ..., model: _Optional[str] = ..., index_version: _Optional[str] = ..., cache_hits: _Optional[_Iterable[bool]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., backend: _Optional[str] = ...) -> None: ...

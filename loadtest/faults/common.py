@@ -1,0 +1,125 @@
+"""Pieces the fault scenarios share: a recording sidecar target, phases of open-loop load, RSS."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from inference.embedder import load_tokenizer
+from inference.errors import DeadlineExceeded
+from inference.manifest import load_manifest
+from inference.settings import Settings
+from loadtest.queries import QueryMix
+from loadtest.runner import OK, RunConfig, RunResult, Sample, run_load
+from loadtest.targets import SidecarEmbedTarget, Timings
+
+# Where a DEADLINE_EXCEEDED came from, by the sidecar's message: refused at admission (the request
+# never took backend time), or expired after it was admitted; anything else expired client-side.
+_REFUSED = ("deadline leaves", "expired before inference")
+
+
+class RecordingEmbedTarget(SidecarEmbedTarget):
+    """Sidecar Embed that also counts which backend answered each request (EmbedReply.backend) and
+    where each deadline failure happened."""
+
+    def __init__(self, grpc_target: str, **kw: Any) -> None:
+        super().__init__(grpc_target, **kw)
+        self.answered: Counter[str] = Counter()
+        self.deadlines: Counter[str] = Counter()  # refused_at_admission | expired_in_sidecar | expired_client_side
+
+    async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
+        try:
+            res = await self._client.embed(texts, timeout_s=timeout_s)
+        except DeadlineExceeded as exc:
+            if any(m in exc.message for m in _REFUSED):
+                self.deadlines["refused_at_admission"] += 1
+            else:
+                self.deadlines["expired_in_sidecar" if "expired" in exc.message else "expired_client_side"] += 1
+            raise
+        self.answered[res.backend or "cache"] += 1
+        return dict(res.timings_ns)
+
+
+def fresh_queries(settings: Settings, n: int, seed: int) -> list[str]:
+    """`n` distinct shopper queries (cache misses: the backend is exercised every time)."""
+    m = settings.model
+    tokenizer = load_tokenizer(m.model_dir, load_manifest(m.model_dir))
+    return QueryMix(tokenizer, seed=seed, repeat_share=0.0, unique=True).take(n)
+
+
+@dataclass(slots=True)
+class Phase:
+    """Outcome counts and latencies of one load run, in ms."""
+
+    samples: list[Sample]
+    codes: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, result: RunResult) -> Phase:
+        measured = result.measured
+        return cls(measured, dict(Counter(s.code for s in measured)))
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+    @property
+    def ok(self) -> int:
+        return self.codes.get(OK, 0)
+
+    @property
+    def failed(self) -> int:
+        return self.n - self.ok
+
+    def latencies_ms(self, code: str = OK) -> np.ndarray:
+        return np.array([s.latency_s * 1e3 for s in self.samples if s.code == code], dtype=np.float64)
+
+    def pct(self, p: float, code: str = OK) -> float | None:
+        lat = self.latencies_ms(code)
+        return float(np.percentile(lat, p)) if len(lat) else None
+
+
+async def load_during(target: SidecarEmbedTarget, texts: Sequence[str], config: RunConfig,
+                      *actions: tuple[float, Any]) -> tuple[RunResult, dict[str, float]]:
+    """Run open-loop load; meanwhile call each blocking `action` (in a thread) `at` seconds after the
+    measured window starts. Returns the run and, per action's __name__, when it returned (window time)."""
+    done: dict[str, float] = {}
+    start = time.perf_counter() + config.warmup_s
+
+    async def act(at: float, fn: Any) -> None:
+        await asyncio.sleep(max(start + at - time.perf_counter(), 0.0))
+        await asyncio.to_thread(fn)
+        done[getattr(fn, "__name__", repr(fn))] = time.perf_counter() - start
+
+    tasks = [asyncio.create_task(act(at, fn)) for at, fn in actions]
+    try:
+        result = await run_load(target, texts, config)
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+    return result, done
+
+
+def rss_mb(pid: int | None) -> float | None:
+    """Resident set size of process `pid` in MiB (Linux /proc), None if it is gone."""
+    if pid is None:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"

@@ -1,0 +1,87 @@
+"""API keys on every surface of a real sidecar (and the demo in front of it); no key in any log line.
+
+Embed, Search, gRPC reflection, HTTP /v1/embeddings, HTTP /metrics and the demo websocket each get
+no key, a wrong key and the right key (loadtest/faults/auth.py `probe_surfaces`, also the fault
+suite's `auth` scenario); health stays open. Every log record of the run is captured at DEBUG
+(caplog for the root logger, a LogCapture for uvicorn's loggers, which do not propagate).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from inference.errors import Unauthenticated
+from inference.settings import Settings, SidecarSettings
+from loadtest.faults import auth
+from loadtest.faults.surfaces import DemoThread, LogCapture
+from sidecar.app import Sidecar, SidecarThread
+from sidecar.auth import KeyRing
+from tests.fixtures_sidecar import sidecar_settings
+
+KEY = "sk-test-right-" + "ab12" * 8
+WRONG = "sk-test-wrong-" + "cd34" * 8
+
+
+@pytest.fixture(scope="module")
+def keyed(settings: Settings, grocery_index_root: Path) -> Iterator[tuple[Sidecar, str]]:
+    """A sidecar with one API key, HTTP on, a real index; the demo server in front of it."""
+    s = sidecar_settings(settings, api_keys=f"shop={KEY}", index_dir=grocery_index_root)
+    s = s.with_section("catalog", use_gpu=False)
+    with SidecarThread(s) as car, DemoThread(car.grpc_target, api_key=KEY, keys=car.keys) as ws_url:
+        yield car, ws_url
+
+
+def test_every_surface_needs_the_key_and_none_is_logged(keyed: tuple[Sidecar, str],
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    car, ws_url = keyed
+    assert car.http_port is not None
+    caplog.set_level(logging.DEBUG)
+    with LogCapture() as logs:
+        checks = auth.probe_surfaces(car.grpc_target, car.http_port, ws_url, KEY, WRONG, lambda: logs.lines)
+    by_name = {c.surface: c for c in checks}
+    assert {"gRPC Embed", "gRPC Search", "gRPC reflection", "HTTP POST /v1/embeddings (bearer)",
+            "HTTP GET /metrics", "demo websocket (header)", "demo websocket (?api_key=)"} <= set(by_name)
+    for c in checks:
+        assert c.rejected and c.served, c
+    assert by_name["gRPC reflection"].no_key == "UNAUTHENTICATED"
+    assert by_name["HTTP GET /metrics"].wrong_key == "401"
+    assert by_name["demo websocket (header)"].no_key == "error unauthenticated, close 1008"
+
+    lines = [caplog.text, *(r.getMessage() for r in caplog.records), *logs.lines]
+    assert len(caplog.records) > 0  # DEBUG capture did see the run (else "no key" proves nothing)
+    assert auth.leaks(lines, KEY, WRONG) == []
+    assert not any(c.key_in_logs for c in checks)
+    assert auth.leaks([repr(car.settings), str(car.settings.sidecar), repr(car.keys)], KEY, WRONG) == []
+
+
+def test_key_ring_compares_against_every_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No early exit: the first key, the last key and a wrong key cost the same comparisons."""
+    ring = KeyRing.from_settings(SidecarSettings(api_keys="a=key-one,b=key-two,c=key-three"))
+    calls: list[int] = []
+    real = hmac.compare_digest
+
+    def counting(a: bytes, b: bytes) -> bool:
+        calls.append(len(a))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", counting)
+    for key, tenant in (("key-one", "a"), ("key-three", "c"), ("nope", None), ("\ud800", None)):
+        calls.clear()
+        if tenant is None:
+            with pytest.raises(Unauthenticated, match="wrong API key"):
+                ring.tenant_for(key)
+        else:
+            assert ring.tenant_for(key) == tenant
+        assert calls == [32, 32, 32]  # SHA-256 digests: equal lengths, every entry
+
+
+def test_auth_scenario_quick(settings: Settings, tmp_path: Path) -> None:
+    """The scenario as the fault command runs it (its own sidecar, index and demo), short form."""
+    result = auth.run(settings, tmp_path, quick=True)
+    assert result.passed, result.to_json()
+    assert len(result.figures["surfaces"]) >= 10
