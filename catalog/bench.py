@@ -24,7 +24,7 @@ from catalog.index import ann_recall, build_faiss, exact_topk, faiss_module, sam
 from catalog.job import BuildSpec, build
 from catalog.sources import compose_text, read_grocery
 from inference.backends.onnx import OnnxBackend
-from inference.buckets import group_by_bucket, split_batches
+from inference.buckets import plan_calls
 from inference.embedder import load_tokenizer
 from inference.manifest import load_manifest
 from inference.settings import Settings
@@ -47,8 +47,7 @@ def raw_ort_throughput(settings: Settings, texts: Sequence[str], *, sample: int 
     pick = [texts[i] for i in rng.choice(len(texts), min(sample, len(texts)), replace=False)]
     enc = tok.encode(pick)
     batches = [tok.batch([enc.ids[i] for i in chunk], length=b)
-               for b, idx in sorted(group_by_bucket(enc.lengths, tok.buckets).items())
-               for chunk in split_batches(idx, settings.catalog.batch_size)]
+               for b, chunk in plan_calls(enc.lengths, tok.buckets, settings.catalog.batch_size)]
     be = OnnxBackend(s.model_dir, manifest, variant=s.variant, threads=s.intra_op_threads,
                      max_batch=settings.catalog.batch_size)
     be.warm_up()

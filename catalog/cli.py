@@ -159,12 +159,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _search(args: argparse.Namespace) -> int:
     from catalog.index import ProductIndex
-    from catalog.job import make_backend
+    from catalog.job import job_backend
     from inference.embedder import Embedder, load_tokenizer
     from inference.manifest import load_manifest
 
     settings = _settings(args)
-    backend = make_backend(settings)
+    backend = job_backend(settings)
     index = ProductIndex.from_settings(settings.catalog, expected_model_id=backend.version_id)
     embedder = Embedder(load_tokenizer(settings.model.model_dir, load_manifest(settings.model.model_dir)), backend)
     emb = asyncio.run(embedder.embed(args.queries)).embeddings

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import fcntl
 import hashlib
-import importlib
 import json
 import logging
 import shutil
@@ -34,7 +33,8 @@ from catalog.calibration import calibration_queries
 from catalog.index import build_faiss, faiss_module, resolve_type
 from catalog.sources import GROCERY_SOURCE, BadRow, Loaded, Product, compose_text, read_path
 from inference.backends.base import Backend
-from inference.buckets import group_by_bucket, split_batches
+from inference.backends.factory import make_backend
+from inference.buckets import plan_calls
 from inference.embedder import load_tokenizer
 from inference.errors import InvalidInput, ModelError, NotFound, Unavailable
 from inference.files import atomic_write, atomic_write_text
@@ -176,9 +176,8 @@ class ChunkedEmbedder:
 
     async def _embed_chunk(self, ids: list[list[int]], bar: tqdm[Any]) -> F32:
         out = np.empty((len(ids), self.backend.dim), dtype=np.float32)
-        groups = group_by_bucket([len(x) for x in ids], self.tokenizer.buckets)
-        calls = [(pos, bucket) for bucket, idx in sorted(groups.items())
-                 for pos in split_batches(idx, self.batch_size)]
+        calls = [(pos, bucket) for bucket, pos in plan_calls([len(x) for x in ids], self.tokenizer.buckets,
+                                                              self.batch_size)]
         sem = asyncio.Semaphore(self.in_flight)
 
         async def one(pos: list[int], bucket: int) -> None:
@@ -281,23 +280,9 @@ def publish_index(settings: Settings, vectors: F32, products: Sequence[Product],
 
 
 # --- the job ---------------------------------------------------------------------------------
-def make_backend(settings: Settings, kind: str = "embedded") -> Backend:
-    manifest = load_manifest(settings.model.model_dir)
-    max_batch = max(settings.catalog.batch_size, settings.model.max_batch)
-    if kind == "triton":
-        # Lazy: the Triton client is only needed for this backend.
-        try:
-            triton = importlib.import_module("inference.backends.triton")
-        except ImportError as exc:
-            raise Unavailable(f"the Triton backend cannot load: {exc}") from exc
-        backend: Backend = triton.TritonBackend.from_settings(settings, manifest)
-        return backend
-    if kind != "embedded":
-        raise InvalidInput(f"unknown backend {kind!r}: embedded or triton")
-    from inference.backends.onnx import OnnxBackend
-
-    return OnnxBackend(settings.model.model_dir, manifest, variant=settings.model.variant,
-                       threads=settings.model.intra_op_threads, max_batch=max_batch)
+def job_backend(settings: Settings, kind: str = "embedded") -> Backend:
+    """The batch job's backend: the shared factory, with batches as large as the job sends."""
+    return make_backend(settings, kind, max_batch=max(settings.catalog.batch_size, settings.model.max_batch))
 
 
 async def build(settings: Settings, spec: BuildSpec, *, backend: Backend | None = None,
@@ -322,7 +307,7 @@ async def build(settings: Settings, spec: BuildSpec, *, backend: Backend | None 
     manifest = load_manifest(settings.model.model_dir)
     tokenizer = load_tokenizer(settings.model.model_dir, manifest, max_text_chars=settings.model.max_text_chars)
     own = backend is None
-    be = backend or make_backend(settings, backend_kind)
+    be = backend or job_backend(settings, backend_kind)
     try:
         if not be.ready():
             await be.start()
@@ -465,7 +450,7 @@ def merge(settings: Settings, spec: BuildSpec, *, loaded: Loaded | None = None,
 
 async def _merge_calibration(settings: Settings, products: Sequence[Product], text_fields: Sequence[str],
                              model_id: str) -> F32 | None:
-    backend = make_backend(settings)
+    backend = job_backend(settings)
     if backend.version_id != model_id:  # shards came from another variant: fall back to synthetic
         return None
     try:

@@ -54,3 +54,11 @@ def split_batches(indices: Sequence[int], max_batch: int) -> list[list[int]]:
     if max_batch <= 0:
         raise InvalidInput(f"max_batch must be positive, got {max_batch}")
     return [list(indices[i : i + max_batch]) for i in range(0, len(indices), max_batch)]
+
+
+def plan_calls(lengths: Sequence[int], buckets: Sequence[int], max_items: int) -> list[tuple[int, list[int]]]:
+    """The backend calls for sequences of `lengths`: (bucket, indices) per call, buckets ascending,
+    at most `max_items` indices each. The one bucket/split plan of the sidecar and the catalog job."""
+    return [(bucket, chunk)
+            for bucket, idx in sorted(group_by_bucket(lengths, buckets).items())
+            for chunk in split_batches(idx, max_items)]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from inference.backends.onnx import OnnxBackend
+from inference.backends.factory import make_backend
 from inference.bench import register_args as register_bench_args
 from inference.bench import run as run_bench
 from inference.embedder import Embedder, load_tokenizer
@@ -88,8 +88,7 @@ def register_embed(sub: Any) -> None:
 def _embed(args: argparse.Namespace) -> int:
     s = settings_from_args(args).model
     manifest = load_manifest(s.model_dir)
-    backend = OnnxBackend(s.model_dir, manifest, variant=s.variant, threads=s.intra_op_threads,
-                          max_batch=s.max_batch)
+    backend = make_backend(settings_from_args(args), "embedded")
     embedder = Embedder(load_tokenizer(s.model_dir, manifest, max_text_chars=s.max_text_chars),
                         backend, max_batch=s.max_batch)
     result = asyncio.run(embedder.embed(args.texts))

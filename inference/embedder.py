@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from inference.backends.base import Backend, Embeddings
-from inference.buckets import group_by_bucket, split_batches
+from inference.buckets import plan_calls
 from inference.manifest import Manifest, load_manifest
 from inference.text import check_texts
 from inference.tokenizer import QueryTokenizer
@@ -55,11 +55,8 @@ class Embedder:
         t1 = time.perf_counter_ns()
         out = np.empty((len(clean), self.backend.dim), dtype=np.float32)
         per_call = backend_batch or self.backend.max_batch
-        calls = [
-            (chunk, self.tokenizer.batch([enc.ids[i] for i in chunk], length=bucket))
-            for bucket, idx in sorted(group_by_bucket(enc.lengths, self.tokenizer.buckets).items())
-            for chunk in split_batches(idx, per_call)
-        ]
+        calls = [(chunk, self.tokenizer.batch([enc.ids[i] for i in chunk], length=bucket))
+                 for bucket, chunk in plan_calls(enc.lengths, self.tokenizer.buckets, per_call)]
         results = await asyncio.gather(*(self.backend.embed(b) for _, b in calls))
         for (chunk, _b), emb in zip(calls, results, strict=True):
             out[chunk] = emb

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Self
 from grpc_health.v1._async import HealthServicer
 
 from inference.backends.base import Backend
+from inference.backends.factory import make_backend
 from inference.embedder import load_tokenizer
 from inference.errors import EmbedcarError, InvalidInput, Unavailable
 from inference.manifest import load_manifest
@@ -33,9 +34,11 @@ from sidecar.batcher import MicroBatcher
 from sidecar.cache import EmbeddingCache
 from sidecar.grpc_server import SERVICE, EmbedderServicer, create_server, health_status
 from sidecar.metrics import Metrics
+from sidecar.pipeline import EmbedPipeline
 from sidecar.ratelimit import RateLimiter
+from sidecar.scheduler import BackendHealth, DirectScheduler, FallbackScheduler, Scheduler
 from sidecar.search_index import IndexHolder
-from sidecar.service import EmbedService, Runner, direct_runner
+from sidecar.service import EmbedService
 from sidecar.unix_socket import UnixSocket
 
 if TYPE_CHECKING:
@@ -50,23 +53,6 @@ log = logging.getLogger(__name__)
 FALLBACK = "embedded-fallback"  # how replies and metrics name the fallback when it answered
 
 
-def build_backend(settings: Settings, kind: str | None = None) -> Backend:
-    """The backend settings.sidecar.backend (or `kind`) names: embedded ORT, or a Triton client (imported lazily)."""
-    m = settings.model
-    manifest = load_manifest(m.model_dir)
-    kind = kind or settings.sidecar.backend
-    if kind == "embedded":
-        from inference.backends.onnx import OnnxBackend
-
-        return OnnxBackend(m.model_dir, manifest, variant=m.variant, threads=m.intra_op_threads,
-                           max_batch=m.max_batch, spinning=m.ort_spinning)
-    if kind == "triton":
-        from inference.backends.triton import TritonBackend
-
-        return TritonBackend.from_settings(settings, manifest)
-    raise InvalidInput(f"unknown sidecar backend {kind!r}: expected embedded or triton")
-
-
 class Sidecar:
     def __init__(self, settings: Settings, *, backend: Backend | None = None,
                  index: ProductIndex | None = None) -> None:
@@ -77,38 +63,25 @@ class Sidecar:
         model_dir = settings.model.model_dir
         self.manifest = load_manifest(model_dir)
         self._owns_backend = backend is None
-        self.backend = backend if backend is not None else build_backend(settings)
+        self.backend = backend if backend is not None else make_backend(settings)
         self.tokenizer = load_tokenizer(model_dir, self.manifest, max_text_chars=settings.model.max_text_chars)
         self.metrics = Metrics()
-        hosts = max(1, len(settings.triton.urls)) if s.backend == "triton" else 1
+        hosts = max(1, len(settings.triton.urls)) if self.backend.batches_itself else 1
         self.admission = Admission(max_outstanding_items=(s.max_pending_batches + 1) * s.batch_max_items * hosts,
                                    budget_s=s.admission_budget_ms / 1e3)
         self.cache = EmbeddingCache(self.backend.version_id, s.cache_entries, s.cache_ttl_s)
-        self.batcher: MicroBatcher | None = None
-        runner: Runner
-        if self.backend.name == "embedded":
-            # No Triton to batch for us: merge what queues up per bucket into one forward pass.
-            self.batcher = MicroBatcher(self.backend, self.tokenizer, max_items=s.batch_max_items,
-                                        wait_us=s.batch_wait_us, on_batch=self._on_batch)
-            runner = self.batcher.submit
-        else:
-            runner = direct_runner(self.backend, self.tokenizer, self.admission, self.metrics)
-        # While Triton is down the sidecar still holds the model: answer with it rather than fail.
-        self.fallback: Backend | None = None
-        self.fallback_batcher: MicroBatcher | None = None
-        fallback_runner: Runner | None = None
-        if self.batcher is None and s.embedded_fallback and self._model_file_present():
-            self.fallback = build_backend(settings, "embedded")
-            self.fallback_batcher = MicroBatcher(self.fallback, self.tokenizer, max_items=s.batch_max_items,
-                                                 wait_us=s.batch_wait_us, on_batch=self._on_batch, label=FALLBACK)
-            fallback_runner = self.fallback_batcher.submit
+        self.health = BackendHealth(self.metrics)
+        self.scheduler = FallbackScheduler(self._scheduler_for(self.backend), self._fallback(), self.health)
         self.index = IndexHolder(index, index_root=s.index_dir, expected_model_id=self.backend.version_id,
                                  poll_s=s.index_poll_s, catalog=settings.catalog)
-        self.service = EmbedService(settings, tokenizer=self.tokenizer, backend=self.backend,
-                                    lowercase=self.manifest.lowercase, keys=self.keys,
-                                    limiter=RateLimiter(s.rate_per_s, s.burst), cache=self.cache,
-                                    admission=self.admission, metrics=self.metrics, runner=runner, index=self.index,
-                                    fallback=fallback_runner)
+        self.pipeline = EmbedPipeline(
+            tokenizer=self.tokenizer, lowercase=self.manifest.lowercase, cache=self.cache, admission=self.admission,
+            scheduler=self.scheduler, metrics=self.metrics, dim=self.backend.dim,
+            max_batch=min(settings.model.max_batch, self.backend.max_batch if self.backend.max_batch > 0 else 256),
+            max_chars=s.max_text_chars, max_items_per_call=s.batch_max_items)
+        self.service = EmbedService(self.pipeline, model=self.backend.version_id, keys=self.keys,
+                                    limiter=RateLimiter(s.rate_per_s, s.burst), metrics=self.metrics,
+                                    default_deadline_s=s.default_deadline_ms / 1e3, max_k=s.max_k, index=self.index)
         self.grpc_port = 0
         self.uds: UnixSocket | None = None
         self.http_port: int | None = None
@@ -137,14 +110,30 @@ class Sidecar:
         except Exception:  # an unknown variant: the backend itself reports it
             return False
 
+    def _scheduler_for(self, backend: Backend, label: str | None = None) -> Scheduler:
+        """Triton batches itself: straight through. The embedded model does not: the micro-batcher."""
+        s = self.settings.sidecar
+        if backend.batches_itself:
+            return DirectScheduler(backend, self.tokenizer, self.admission, self.metrics)
+        return MicroBatcher(backend, self.tokenizer, max_items=s.batch_max_items, wait_us=s.batch_wait_us,
+                            admission=self.admission, metrics=self.metrics, label=label)
+
+    def _fallback(self) -> Scheduler | None:
+        """While Triton is down the sidecar still holds the model: answer with it rather than fail."""
+        s = self.settings.sidecar
+        if not self.backend.batches_itself or not s.embedded_fallback or not self._model_file_present():
+            return None
+        return self._scheduler_for(make_backend(self.settings, "embedded"), FALLBACK)
+
+    @property
+    def fallback(self) -> Backend | None:
+        f = self.scheduler.fallback
+        return f.backend if f is not None else None
+
     @property
     def can_answer(self) -> bool:
         """The backend is up, or the embedded fallback stands in for it."""
-        return self.service.backend_up or self.fallback_batcher is not None
-
-    def _on_batch(self, rows: int, length: int, seconds: float) -> None:
-        self.admission.observe(rows * length, seconds)
-        self.metrics.batch_size.observe(rows)
+        return self.health.up or self.scheduler.fallback is not None
 
     def _probe_batch(self) -> TokenBatch:
         enc = self.tokenizer.encode(["health probe"])
@@ -170,17 +159,15 @@ class Sidecar:
         if not self.backend.ready():
             await self.backend.start()
         await self._calibrate()
-        if self.batcher is not None:
-            self.batcher.start()
-        if self.fallback is not None and self.fallback_batcher is not None:
+        if self.fallback is not None:
             await self.fallback.start()  # loaded and warm before it is needed
-            self.fallback_batcher.start()
+        self.scheduler.start()
         loop = asyncio.get_running_loop()
-        self.service.on_backend_down = lambda: self._spawn(self._set_health(self.can_answer))
+        self.health.on_down = lambda: self._spawn(self._set_health(self.can_answer))
         await self.index.start()
         if s.warm_queries_file is not None:
             await self.warm_cache(s.warm_queries_file)
-        self.service.mark_backend(True)
+        self.health.mark(True)
         await self._set_health(True)
         self._monitor = loop.create_task(self._watch_backend(), name="backend-health")
         log.info("sidecar serving model %s on grpc %s:%d%s, http %s", self.service.model, s.host, self.grpc_port,
@@ -207,10 +194,7 @@ class Sidecar:
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(self._http_task, grace + 1)
             self._http = self._http_task = None
-        if self.batcher is not None:
-            await self.batcher.close()
-        if self.fallback_batcher is not None:
-            await self.fallback_batcher.close()
+        await self.scheduler.close()
         if self.fallback is not None:
             await self.fallback.close()
         await self.index.close()
@@ -296,16 +280,16 @@ class Sidecar:
         poll = self.settings.sidecar.health_poll_s
         while True:
             await asyncio.sleep(poll)
-            if self.service.backend_up:
+            if self.health.up:
                 if not self.backend.ready():
-                    self.service.mark_backend(False)
+                    self.health.mark(False)
             else:
                 try:
                     await self.backend.embed(self._probe, timeout_s=max(poll * 2, 0.5))
                 except EmbedcarError:
                     pass
                 else:
-                    self.service.mark_backend(True)
+                    self.health.mark(True)
                     log.info("backend %s is back", self.backend.name)
             if self.can_answer != self.serving:
                 await self._set_health(self.can_answer)
@@ -359,4 +343,4 @@ def running(settings: Settings, **kw: Any) -> Iterator[Sidecar]:
         yield sc
 
 
-__all__ = ["FALLBACK", "Sidecar", "SidecarThread", "Unavailable", "build_backend", "running"]
+__all__ = ["FALLBACK", "Sidecar", "SidecarThread", "Unavailable", "running"]

@@ -22,32 +22,33 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from inference.backends.base import Backend, Embeddings
+from inference.backends.base import Backend
 from inference.errors import DeadlineExceeded, EmbedcarError, Internal, Unavailable
 from inference.tokenizer import QueryTokenizer
-
-# (embeddings [n, dim], queue ns, inference ns, name of the backend that answered)
-Result = tuple[Embeddings, int, int, str]
+from sidecar.admission import Admission
+from sidecar.metrics import Metrics
+from sidecar.scheduler import Computed, Scheduler
 
 
 @dataclass(slots=True)
 class _Item:
     ids: list[list[int]]
     deadline: float | None
-    fut: asyncio.Future[Result]
+    fut: asyncio.Future[Computed]
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
 
 
-class MicroBatcher:
+class MicroBatcher(Scheduler):
     def __init__(self, backend: Backend, tokenizer: QueryTokenizer, *, max_items: int, wait_us: int,
-                 on_batch: Callable[[int, int, float], None] | None = None,
+                 admission: Admission | None = None, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.monotonic, label: str | None = None) -> None:
         self.backend = backend
         self.label = label or backend.name  # what results say answered them
         self.tokenizer = tokenizer
         self.max_items = max(1, min(max_items, backend.max_batch))
         self.wait_s = max(wait_us, 0) * 1e-6
-        self.on_batch = on_batch  # (rows, padded length, seconds) after each forward pass
+        self._admission = admission  # learns each forward pass's cost
+        self._metrics = metrics
         self._queues: dict[int, deque[_Item]] = {}
         self._clock = clock
         self._wake = asyncio.Event()
@@ -73,7 +74,7 @@ class MicroBatcher:
                 if not item.fut.done():
                     item.fut.set_exception(Unavailable("sidecar is shutting down"))
 
-    async def submit(self, bucket: int, ids: list[list[int]], deadline: float | None) -> Result:
+    async def run(self, bucket: int, ids: list[list[int]], deadline: float | None) -> Computed:
         """Embed `ids` (all in `bucket`, at most max_items) in the next forward pass of that bucket."""
         if self._task is None:
             raise Unavailable("micro-batcher is not running")
@@ -167,15 +168,17 @@ class MicroBatcher:
         self.batches += 1
         seconds = (end - start) * 1e-9
         self._forward_s = seconds if not self._forward_s else self._forward_s + 0.2 * (seconds - self._forward_s)
-        if self.on_batch is not None:
-            self.on_batch(len(rows), bucket, seconds)
+        if self._admission is not None:
+            self._admission.observe(len(rows) * bucket, seconds)
+        if self._metrics is not None:
+            self._metrics.batch_size.observe(len(rows))
         infer_ns = end - start
         offset = 0
         for item in items:
             n = len(item.ids)
             if not item.fut.done():
-                item.fut.set_result((np.ascontiguousarray(emb[offset:offset + n]),
-                                     start - item.enqueued_ns, infer_ns, self.label))
+                item.fut.set_result(Computed(np.ascontiguousarray(emb[offset:offset + n]),
+                                             start - item.enqueued_ns, infer_ns, self.label))
             offset += n
 
     @staticmethod

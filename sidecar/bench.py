@@ -38,6 +38,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from inference.backends.factory import make_backend
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import load_tokenizer
 from inference.errors import EmbedcarError, Unavailable
@@ -231,9 +232,8 @@ def bench_overload(target: str, queries: list[str], qps: float, deadline_s: floa
 
 
 def bench_raw_ort(settings: Settings, tokenizer: QueryTokenizer, queries: list[str]) -> dict[str, float]:
-    m = settings.model
-    backend = OnnxBackend(m.model_dir, load_manifest(m.model_dir), variant=m.variant, threads=m.intra_op_threads,
-                          spinning=m.ort_spinning)
+    backend = make_backend(settings, "embedded")
+    assert isinstance(backend, OnnxBackend)
     backend.warm_up()
     batches = [tokenizer.batch(tokenizer.encode([q]).ids) for q in queries]
     lat = []
@@ -245,10 +245,8 @@ def bench_raw_ort(settings: Settings, tokenizer: QueryTokenizer, queries: list[s
 
 
 def bench_raw_triton(settings: Settings, tokenizer: QueryTokenizer, queries: list[str]) -> dict[str, float]:
-    from inference.backends.triton import TritonBackend
-
     async def run() -> list[float]:
-        b = TritonBackend.from_settings(settings, load_manifest(settings.model.model_dir))
+        b = make_backend(settings, "triton")
         await b.start()
         try:
             lat = []

@@ -26,9 +26,9 @@ from inference.errors import EmbedcarError
 from sidecar.errors import RETRY_AFTER_KEY, from_grpc
 from sidecar.grpc_server import API_KEY
 from sidecar.proto import embedcar_pb2 as pb
+from sidecar.timings import STAGES
 
 _OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.max_send_message_length", -1)]
-_TIMING_KEYS = ("auth", "cache", "tokenize", "queue", "inference", "search", "total")
 EMBED = "/embedcar.v1.Embedder/Embed"
 SEARCH = "/embedcar.v1.Embedder/Search"
 
@@ -54,7 +54,7 @@ class SearchResult:
 
 
 def _timings(t: pb.Timings) -> dict[str, int]:
-    return {k: int(getattr(t, k)) for k in _TIMING_KEYS}
+    return {k: int(getattr(t, k)) for k in STAGES}
 
 
 def decode_embed(reply: pb.EmbedReply) -> EmbedResult:

@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-STAGES = ("auth", "cache", "tokenize", "queue", "inference", "search", "total")
+from sidecar.timings import STAGES
+
 # 10 µs .. ~10 s, doubling: the sidecar's own stages live at the bottom, inference in the middle.
 LATENCY_BUCKETS = tuple(1e-5 * 2**i for i in range(21))
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -37,7 +37,7 @@ def needs_triton() -> None:
 @pytest.mark.slow
 def test_triton_kill_scenario(settings: Settings, model_dir: Path, tmp_path: Path) -> None:
     needs_triton()
-    res = triton_kill.run(outage_only(settings), tmp_path, quick=True)
+    res = triton_kill.run(settings, tmp_path, quick=True)
     got = checks(res)
     assert got["fallback on: failed requests"], res.figures["fallback_on"]
     assert got["fallback on: the fallback answered during the outage"], res.figures["fallback_on"]

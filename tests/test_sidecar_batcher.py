@@ -23,13 +23,13 @@ async def test_queued_requests_share_one_forward_pass(probe_backend: ProbeBacken
     b.start()
     try:
         probe_backend.hold.clear()
-        first = asyncio.create_task(b.submit(bucket, [ids[0]], None))
+        first = asyncio.create_task(b.run(bucket, [ids[0]], None))
         for _ in range(2000):  # until the first pass is inside the (held) backend
             if probe_backend.calls:
                 break
             await asyncio.sleep(0.005)
         # While the first forward pass runs, nine more arrive: they go out as 4 + 4 + 1.
-        rest = [asyncio.create_task(b.submit(bucket, [x], None)) for x in ids[1:]]
+        rest = [asyncio.create_task(b.run(bucket, [x], None)) for x in ids[1:]]
         await asyncio.sleep(0.05)
         probe_backend.hold.set()
         results = await asyncio.gather(first, *rest)
@@ -62,9 +62,9 @@ async def test_no_wait_at_low_traffic_on_a_freshly_booted_clock(probe_backend: P
     try:
         short = tokenizer.encode(["milk"]).ids
         long = tokenizer.encode([" ".join(["bread"] * 40)]).ids
-        await asyncio.wait_for(b.submit(16, short, None), 60)
-        await asyncio.wait_for(b.submit(16, short, None), 60)
-        await asyncio.wait_for(b.submit(64, long, None), 60)
+        await asyncio.wait_for(b.run(16, short, None), 60)
+        await asyncio.wait_for(b.run(16, short, None), 60)
+        await asyncio.wait_for(b.run(64, long, None), 60)
         assert not b.dense()
         assert probe_backend.calls == 3 and probe_backend.rows == 3
     finally:
@@ -79,10 +79,10 @@ async def test_dense_arrivals_wait_for_company_until_the_batch_is_full(probe_bac
     b.start()
     try:
         ids = tokenizer.encode([f"dense {i}" for i in range(4)]).ids
-        first = [asyncio.create_task(b.submit(16, [x], None)) for x in ids[:2]]
+        first = [asyncio.create_task(b.run(16, [x], None)) for x in ids[:2]]
         await asyncio.sleep(0.05)
         assert b.dense() and probe_backend.calls == 0  # two rows queued, waiting for company
-        rest = [asyncio.create_task(b.submit(16, [x], None)) for x in ids[2:]]
+        rest = [asyncio.create_task(b.run(16, [x], None)) for x in ids[2:]]
         await asyncio.wait_for(asyncio.gather(*first, *rest), 60)
         assert probe_backend.calls == 1 and probe_backend.rows == 4
     finally:
@@ -97,8 +97,8 @@ async def test_the_wait_never_outlasts_the_oldest_deadline(probe_backend: ProbeB
     b.start()
     try:
         ids = tokenizer.encode(["deadline bound"]).ids
-        await b.submit(16, ids, None)  # one forward pass: the batcher learns what one costs
-        await asyncio.wait_for(b.submit(16, ids, b._clock() + 2.0), 60)
+        await b.run(16, ids, None)  # one forward pass: the batcher learns what one costs
+        await asyncio.wait_for(b.run(16, ids, b._clock() + 2.0), 60)
         assert b.dense() and probe_backend.calls == 2
     finally:
         await b.close()
@@ -111,7 +111,7 @@ async def test_expired_item_is_dropped_before_the_backend(probe_backend: ProbeBa
     try:
         ids = tokenizer.encode(["expired"]).ids
         with pytest.raises(DeadlineExceeded):
-            await b.submit(16, ids, time.monotonic() - 0.001)
+            await b.run(16, ids, time.monotonic() - 0.001)
         assert probe_backend.calls == 0
     finally:
         await b.close()

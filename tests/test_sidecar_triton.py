@@ -28,6 +28,34 @@ from tests.test_sidecar_reliability import health, wait_for
 pytestmark = pytest.mark.triton
 
 
+class MissLoad:
+    """A background thread sending a steady stream of cache misses; records who answered and errors."""
+
+    def __init__(self, client: Client, prefix: str) -> None:
+        self.client, self.prefix = client, prefix
+        self.answered: list[str] = []
+        self.errors: list[EmbedcarError] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            i += 1
+            try:
+                self.answered.append(self.client.embed([f"{self.prefix} {i}"], timeout_s=30).backend)
+            except EmbedcarError as exc:
+                self.errors.append(exc)
+
+    def __enter__(self) -> MissLoad:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
 def triton_sidecar_settings(settings: Settings, server: TritonServer) -> Settings:
     s = settings.with_section("triton", urls=(server.grpc_url,), timeout_ms=10_000, probe_interval_s=0.2)
     return sidecar_settings(s, backend="triton", http_port=-1)
@@ -70,40 +98,21 @@ def test_triton_killed_mid_load_then_restarted_without_fallback(settings: Settin
     with SidecarThread(s) as sc, Client(sc.grpc_target) as c:
         assert sc.fallback is None
         assert c.embed(["before the crash"]).embeddings.shape == (1, 384)
-        errors: list[EmbedcarError] = []
-        ok = [0]
-        stop = threading.Event()
-
-        def load() -> None:  # steady stream of cache misses
-            i = 0
-            while not stop.is_set():
-                i += 1
-                try:
-                    c.embed([f"load query number {i}"], timeout_s=30)
-                    ok[0] += 1
-                except EmbedcarError as exc:
-                    errors.append(exc)
-
-        worker = threading.Thread(target=load)
-        worker.start()
-        try:
-            assert wait_for(lambda: ok[0] >= 3)
+        with MissLoad(c, "load query number") as load:
+            assert wait_for(lambda: len(load.answered) >= 3)
             own_triton.kill()
-            assert wait_for(lambda: len(errors) >= 3)
+            assert wait_for(lambda: len(load.errors) >= 3)
             assert wait_for(lambda: health(sc.grpc_target) == health_pb2.HealthCheckResponse.NOT_SERVING)
             # Failing fast: UNAVAILABLE, not requests hanging until their 30 s deadline.
-            assert all(isinstance(e, Unavailable) for e in errors), errors
+            assert all(isinstance(e, Unavailable) for e in load.errors), load.errors
             with pytest.raises(Unavailable):
                 c.embed(["during the outage"], timeout_s=30)
 
             own_triton.start()  # same ports; the sidecar is not touched
             assert wait_for(lambda: health(sc.grpc_target) == health_pb2.HealthCheckResponse.SERVING, 60)
-            n = ok[0]
-            assert wait_for(lambda: ok[0] > n + 3, 60)
+            n = len(load.answered)
+            assert wait_for(lambda: len(load.answered) > n + 3, 60)
             assert c.embed(["after the restart"]).cache_hits == [False]
-        finally:
-            stop.set()
-            worker.join(60)
 
 
 @pytest.mark.slow
@@ -113,25 +122,10 @@ def test_embedded_fallback_answers_while_triton_is_down(settings: Settings, own_
     with SidecarThread(s) as sc, Client(sc.grpc_target) as c:
         assert sc.fallback is not None  # on by default: the model files are here
         assert c.embed(["before the crash"]).backend == "triton"
-        errors: list[EmbedcarError] = []
-        answered: list[str] = []
-        stop = threading.Event()
-
-        def load() -> None:  # steady stream of cache misses
-            i = 0
-            while not stop.is_set():
-                i += 1
-                try:
-                    answered.append(c.embed([f"fallback load query {i}"], timeout_s=30).backend)
-                except EmbedcarError as exc:
-                    errors.append(exc)
-
-        worker = threading.Thread(target=load)
-        worker.start()
-        try:
-            assert wait_for(lambda: answered.count("triton") >= 3)
+        with MissLoad(c, "fallback load query") as load:
+            assert wait_for(lambda: load.answered.count("triton") >= 3)
             own_triton.kill()
-            assert wait_for(lambda: answered.count("embedded-fallback") >= 5, 60)
+            assert wait_for(lambda: load.answered.count("embedded-fallback") >= 5, 60)
             # The outage is invisible to callers: same embeddings, still SERVING, nothing failed.
             during = c.embed(["oat milk during the outage"])
             assert during.backend == "embedded-fallback"
@@ -140,11 +134,7 @@ def test_embedded_fallback_answers_while_triton_is_down(settings: Settings, own_
             assert health(sc.grpc_target) == health_pb2.HealthCheckResponse.SERVING
 
             own_triton.start()  # same ports; the sidecar is not touched
-            assert wait_for(lambda: answered[-1] == "triton", 60)
+            assert wait_for(lambda: load.answered[-1] == "triton", 60)
             assert c.embed(["after the restart"]).backend == "triton"
-        finally:
-            stop.set()
-            worker.join(60)
-        assert errors == []
-        counts = sc.metrics.backend_answers
-        assert counts.labels("embedded-fallback")._value.get() >= 5
+        assert load.errors == []
+        assert sc.metrics.backend_answers.labels("embedded-fallback")._value.get() >= 5

@@ -190,3 +190,11 @@ def test_admission_calibration_splits_fixed_and_per_token_cost() -> None:
     assert a.s_per_token == pytest.approx(1e-4)
     assert a.s_per_call == pytest.approx(0.0014)
     assert a.cost_s(16) == pytest.approx(0.003)
+
+
+def test_one_list_of_stages_for_pipeline_metrics_client_and_proto() -> None:
+    from sidecar.proto import embedcar_pb2 as pb
+    from sidecar.timings import STAGES, Timings
+
+    assert STAGES == tuple(f.name for f in pb.Timings.DESCRIPTOR.fields)
+    assert set(Timings(auth=1, total=2).as_dict()) == set(STAGES)

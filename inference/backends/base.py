@@ -27,6 +27,9 @@ class Backend(ABC):
     """One model, one version id; `embed` takes a same-shape batch from one length bucket."""
 
     name: str = "backend"
+    # True when the backend batches concurrent calls itself (Triton's dynamic batcher): the sidecar
+    # then sends each request straight through; False: the sidecar's micro-batcher merges them.
+    batches_itself: bool = False
     version_id: str = ""
     dim: int = 0
     max_batch: int = 256

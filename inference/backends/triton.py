@@ -27,7 +27,6 @@ import numpy as np
 from inference.backends.base import Backend, BackendStats, Embeddings
 from inference.errors import DeadlineExceeded, EmbedcarError, Internal, InvalidInput, Unavailable
 from inference.manifest import Manifest
-from inference.settings import Settings
 from inference.tokenizer import TokenBatch
 
 log = logging.getLogger(__name__)
@@ -88,6 +87,7 @@ class _Endpoint:
 
 class TritonBackend(Backend):
     name = "triton"
+    batches_itself = True  # Triton's dynamic batcher merges concurrent requests of one shape
 
     def __init__(self, urls: Sequence[str], manifest: Manifest, *, variant: str | None = None,
                  model_name: str = "embedder", timeout_s: float = 2.0, max_batch: int = 256,
@@ -109,12 +109,6 @@ class TritonBackend(Backend):
         self._probe_task: asyncio.Task[None] | None = None
         self._input_types: dict[str, Any] = {}
         self._started = False
-
-    @classmethod
-    def from_settings(cls, settings: Settings, manifest: Manifest) -> TritonBackend:
-        t = settings.triton
-        return cls(t.urls, manifest, variant=settings.model.variant, timeout_s=t.timeout_ms / 1000,
-                   max_batch=min(settings.model.max_batch, t.max_batch_size), probe_interval_s=t.probe_interval_s)
 
     # --- lifecycle -------------------------------------------------------------------------
     def _endpoint(self, url: str) -> _Endpoint:

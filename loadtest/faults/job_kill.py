@@ -417,10 +417,10 @@ def _ids(version: Path) -> list[str]:
 def _search_all(settings: Settings, roots: list[Path]) -> list[list[list[tuple[str, float]]]]:
     """Hits (id, score) for QUERIES on the newest version under each root, one embedding for all."""
     from catalog.index import ProductIndex
-    from catalog.job import make_backend, run_sync
+    from catalog.job import job_backend, run_sync
     from inference.embedder import Embedder
 
-    backend = make_backend(settings)
+    backend = job_backend(settings)
 
     async def embed() -> Any:
         await backend.start()

@@ -1,0 +1,49 @@
+"""The one place backends are built from settings: `make_backend(settings)`.
+
+    embedded  in-process ONNX Runtime (the model file of settings.model.variant)
+    triton    a client of the Triton pool in settings.triton.urls (imported lazily: the embedded
+              path never loads tritonclient)
+
+A backend says itself what the pipeline needs to know about it (`Backend.batches_itself`), so no
+caller tests a backend's name or the settings' backend string to decide how to schedule it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from inference.backends.base import Backend
+from inference.errors import FailedPrecondition, Unavailable
+from inference.manifest import load_manifest
+from inference.settings import Settings
+
+KINDS = ("embedded", "triton")
+
+
+def make_backend(settings: Settings, kind: str | None = None, *, max_batch: int | None = None,
+                 spinning: bool | None = None) -> Backend:
+    """The backend `kind` names (default settings.sidecar.backend), configured from `settings`.
+
+    `max_batch` overrides the largest batch one call may carry (the catalog job sends bigger ones
+    than the sidecar accepts); `spinning` overrides model.ort_spinning for the embedded backend.
+    """
+    m = settings.model
+    kind = kind or settings.sidecar.backend
+    manifest = load_manifest(m.model_dir)
+    if kind == "embedded":
+        from inference.backends.onnx import OnnxBackend
+
+        return OnnxBackend(m.model_dir, manifest, variant=m.variant, threads=m.intra_op_threads,
+                           max_batch=max_batch or m.max_batch,
+                           spinning=m.ort_spinning if spinning is None else spinning)
+    if kind == "triton":
+        try:
+            triton = importlib.import_module("inference.backends.triton")
+        except ImportError as exc:
+            raise Unavailable(f"the Triton backend cannot load: {exc}") from exc
+        t = settings.triton
+        backend: Backend = triton.TritonBackend(
+            t.urls, manifest, variant=m.variant, timeout_s=t.timeout_ms / 1000,
+            max_batch=min(max_batch or m.max_batch, t.max_batch_size), probe_interval_s=t.probe_interval_s)
+        return backend
+    raise FailedPrecondition(f"unknown backend {kind!r}: expected one of {', '.join(KINDS)}")

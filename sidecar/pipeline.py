@@ -1,0 +1,201 @@
+"""The embedding path of one request, stage by stage (`EmbedPipeline.run` reads as the list):
+
+    validate -> normalise -> cache / single-flight -> encode -> bucket/split -> admit -> schedule
+    (micro-batcher or Triton, fallback while it is down) -> backend -> assemble
+
+Each stage is a small method with its own timing (sidecar.timings.Timings). Auth, rate limits and
+the index live in sidecar.service; the gRPC and HTTP layers only convert types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from inference.backends.base import Embeddings
+from inference.buckets import plan_calls
+from inference.errors import DeadlineExceeded, EmbedcarError, InvalidInput, Overloaded, Unavailable
+from inference.text import check_texts, normalize
+from inference.tokenizer import Encoded, QueryTokenizer
+from sidecar.admission import Admission
+from sidecar.cache import EmbeddingCache, Entry
+from sidecar.metrics import Metrics
+from sidecar.scheduler import Computed, Scheduler
+from sidecar.timings import Timings
+
+# Tokenizing one short query takes ~16 µs, less than a thread hop: only big batches leave the loop.
+TOKENIZE_ON_LOOP_MAX = 16
+
+
+@dataclass(slots=True)
+class Embedded:
+    """What the pipeline hands back: one row per input text, in input order."""
+
+    embeddings: Embeddings  # [n, dim] float32
+    cache_hits: list[bool]
+    truncated: list[bool]
+    tokens: list[int]
+    backend: str = ""  # which backend computed the misses ("" = all from the cache)
+
+
+@dataclass(slots=True)
+class Lookup:
+    """The cache stage's verdict per distinct normalised text."""
+
+    hits: dict[int, Entry] = field(default_factory=dict)  # input index -> cached entry
+    rows: dict[str, list[int]] = field(default_factory=dict)  # miss key -> input indices
+    texts: dict[str, str] = field(default_factory=dict)  # miss key -> normalised text
+    joined: dict[str, asyncio.Future[Entry]] = field(default_factory=dict)  # computed by another request
+    led: dict[str, asyncio.Future[Entry]] = field(default_factory=dict)  # computed by this request
+
+
+class EmbedPipeline:
+    def __init__(self, *, tokenizer: QueryTokenizer, lowercase: bool, cache: EmbeddingCache, admission: Admission,
+                 scheduler: Scheduler, metrics: Metrics, dim: int, max_batch: int, max_chars: int,
+                 max_items_per_call: int) -> None:
+        self.tokenizer = tokenizer
+        self.lowercase = lowercase
+        self.cache = cache
+        self.admission = admission
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.dim = dim
+        self.max_batch = max_batch
+        self.max_chars = max_chars
+        self.max_items_per_call = max(1, max_items_per_call)
+
+    async def run(self, texts: Sequence[object], deadline: float, tm: Timings) -> Embedded:
+        """`deadline` is on the time.monotonic() clock."""
+        t0 = time.perf_counter_ns()
+        clean = self.validate(texts)
+        found = self.lookup([normalize(t, lowercase=self.lowercase) for t in clean])
+        tm.cache = time.perf_counter_ns() - t0
+        backend = ""
+        if found.led:
+            backend = await self.compute(found, deadline, tm)
+        if found.joined:
+            await self.join(found, deadline)
+        out = self.assemble(found, len(clean))
+        out.backend = backend
+        return out
+
+    # --- stages ------------------------------------------------------------------------------
+    def validate(self, texts: Sequence[object]) -> list[str]:
+        clean = check_texts(texts, max_batch=self.max_batch)
+        for i, t in enumerate(clean):
+            if len(t) > self.max_chars:
+                raise InvalidInput(f"text {i} has {len(t)} characters, over the maximum of {self.max_chars}")
+        return clean
+
+    def lookup(self, normalised: list[str]) -> Lookup:
+        """Cache hits; each distinct miss is joined to another request's computation or led by this one."""
+        out = Lookup()
+        cache = self.cache
+        for i, norm in enumerate(normalised):
+            key = cache.key(norm)
+            e = cache.get(key)
+            if e is not None:
+                out.hits[i] = e
+            elif key in out.rows:
+                out.rows[key].append(i)
+            else:
+                out.rows[key] = [i]
+                out.texts[key] = norm
+        for key in out.rows:
+            fut = cache.joinable(key)
+            if fut is not None:
+                out.joined[key] = fut
+            else:
+                out.led[key] = cache.lead(key)
+        if out.hits:
+            self.metrics.cache_hits.inc(len(out.hits))
+        if out.rows:
+            self.metrics.cache_misses.inc(len(normalised) - len(out.hits))
+        if out.joined:
+            self.metrics.singleflight_joins.inc(len(out.joined))
+        return out
+
+    async def compute(self, found: Lookup, deadline: float, tm: Timings) -> str:
+        """Encode, bucket/split, admit and schedule the misses this request leads; settle their futures.
+        Returns the name(s) of the backend that answered."""
+        led = list(found.led.items())
+        try:
+            t0 = time.perf_counter_ns()
+            enc = await self.encode([found.texts[k] for k, _f in led])
+            calls = plan_calls(enc.lengths, self.tokenizer.buckets, self.max_items_per_call)
+            ticket = self.admission.admit(len(led), sum(b * len(c) for b, c in calls), deadline)
+            tm.tokenize = time.perf_counter_ns() - t0
+            try:
+                results = await self.schedule(calls, enc, deadline)
+            finally:
+                self.admission.release(ticket)
+        except BaseException as exc:
+            self._record_error(exc)
+            # Joiners get the leader's error; a cancelled leader (caller gone) must not cancel them.
+            shared = exc if isinstance(exc, EmbedcarError) else Unavailable(
+                "the request computing this text was cancelled; retry")
+            for key, fut in led:
+                self.cache.finish(key, fut, None, shared)
+            raise
+        for (_bucket, chunk), r in zip(calls, results, strict=True):
+            for row, i in enumerate(chunk):
+                key, fut = led[i]
+                self.cache.finish(key, fut, Entry(r.embeddings[row], enc.truncated[i], len(enc.ids[i])))
+        self.metrics.cache_entries.set(len(self.cache))
+        tm.queue = max(r.queue_ns for r in results)
+        tm.inference = max(r.inference_ns for r in results)
+        answered = sorted({r.backend for r in results})
+        for name in answered:
+            self.metrics.backend_answers.labels(name).inc()
+        return ",".join(answered)
+
+    async def encode(self, texts: list[str]) -> Encoded:
+        if len(texts) <= TOKENIZE_ON_LOOP_MAX:
+            return self.tokenizer.encode(texts)
+        return await asyncio.to_thread(self.tokenizer.encode, texts)
+
+    async def schedule(self, calls: list[tuple[int, list[int]]], enc: Encoded, deadline: float) -> list[Computed]:
+        run = self.scheduler.run
+        if len(calls) == 1:  # the usual case: no task per call
+            ((bucket, chunk),) = calls
+            return [await run(bucket, [enc.ids[i] for i in chunk], deadline)]
+        return list(await asyncio.gather(*(run(bucket, [enc.ids[i] for i in chunk], deadline)
+                                           for bucket, chunk in calls)))
+
+    async def join(self, found: Lookup, deadline: float) -> None:
+        """Wait for the computations this request joined, within its own deadline."""
+        for fut in found.joined.values():
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(asyncio.shield(fut), left)
+            except TimeoutError as exc:
+                raise DeadlineExceeded("deadline expired waiting for a shared inference") from exc
+
+    def assemble(self, found: Lookup, n: int) -> Embedded:
+        out = np.empty((n, self.dim), dtype=np.float32)
+        hits, truncated, tokens = [False] * n, [False] * n, [0] * n
+        for i, e in found.hits.items():
+            out[i], hits[i], truncated[i], tokens[i] = e.vector, True, e.truncated, e.tokens
+        for key, idx in found.rows.items():
+            # The future itself, not the cache: the cache may be off or have evicted the entry already.
+            fut = found.led.get(key) or found.joined[key]
+            e = fut.result()
+            for i in idx:
+                out[i], truncated[i], tokens[i] = e.vector, e.truncated, e.tokens
+        return Embedded(out, hits, truncated, tokens)
+
+    def _record_error(self, exc: BaseException) -> None:
+        if not isinstance(exc, EmbedcarError):
+            return
+        if isinstance(exc, Overloaded):
+            self.metrics.rejections.labels("admission").inc()
+        elif isinstance(exc, DeadlineExceeded):
+            self.metrics.rejections.labels("deadline").inc()
+        else:
+            self.metrics.backend_errors.labels(exc.code).inc()
