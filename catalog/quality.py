@@ -24,13 +24,13 @@ import numpy.typing as npt
 
 from catalog.calibration import calibration_queries, fragment
 from catalog.index import ann_recall, build_faiss, exact_topk
+from catalog.settings import Settings
 from catalog.sources import Product, compose_text, read_grocery
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import Embedder, load_tokenizer
 from inference.errors import InvalidInput
 from inference.manifest import load_manifest
 from inference.pooling import check_mode
-from inference.settings import Settings
 
 K = 10
 

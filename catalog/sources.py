@@ -82,15 +82,6 @@ def read_grocery(limit: int | None = None) -> Loaded:
     return out
 
 
-def grocery_taxonomy() -> tuple[dict[int, str], dict[int, str], dict[int, int]]:
-    """(aisle id -> name, department id -> name, aisle id -> department id)."""
-    data = json.loads(grocery_data_path().read_text(encoding="utf-8"))
-    aisles = {int(k): str(v["en"]) for k, v in data["aisles"].items()}
-    depts = {int(k): str(v["en"]) for k, v in data["departments"].items()}
-    aisle_dept = {int(k): int(v["department_id"]) for k, v in data["aisles"].items()}
-    return aisles, depts, aisle_dept
-
-
 # --- files -----------------------------------------------------------------------------------
 def read_path(path: Path | str, *, id_field: str = "id", text_fields: Sequence[str] = ("title",),
               limit: int | None = None) -> Loaded:

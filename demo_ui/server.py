@@ -35,9 +35,9 @@ from fastapi.staticfiles import StaticFiles
 
 from demo_ui.ratecap import RateCap
 from demo_ui.search import SearchFn
+from demo_ui.settings import DemoSettings
 from demo_ui.slot import LatestSlot
-from inference.errors import EmbedcarError, InvalidInput, Unauthenticated
-from inference.settings import DemoSettings
+from inference.errors import EmbedcarError, Internal, InvalidInput, Overloaded, Unauthenticated
 from inference.text import check_unicode
 from sidecar.auth import KeyRing
 
@@ -47,6 +47,7 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 MAX_K = 50
 CLOSE_TOO_BIG = 1009
 CLOSE_POLICY = 1008
+CLOSED = "closed"  # the error code of the notice sent before the server closes a socket (not an error class)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,9 +136,8 @@ class Connection:
                 if self.cap.refused_in_a_row > max(10.0, s.max_messages_per_s):
                     await self._close(CLOSE_POLICY, "message rate cap exceeded")
                     return
-                await self.send({"seq": None, "error": {
-                    "code": "resource_exhausted",
-                    "message": f"more than {s.max_messages_per_s:g} messages/s on this connection"}})
+                await self.send(_error(None, Overloaded(
+                    f"more than {s.max_messages_per_s:g} messages/s on this connection")))
                 continue
             try:
                 key = parse_message(raw, max_query_chars=s.max_query_chars, default_k=s.results)
@@ -154,7 +154,7 @@ class Connection:
 
     async def _close(self, code: int, reason: str) -> None:
         with contextlib.suppress(Exception):
-            await self.send({"seq": None, "error": {"code": "closed", "message": reason}})
+            await self.send({"seq": None, "error": {"code": CLOSED, "message": reason}})
         with contextlib.suppress(Exception):
             await self.ws.close(code=code, reason=reason)
 
@@ -169,7 +169,7 @@ class Connection:
                 await self.send(_error(key.seq, exc))
             except Exception as exc:  # a bug must cost one keystroke, not the connection
                 log.exception("search failed for seq %d", key.seq)
-                await self.send({"seq": key.seq, "error": {"code": "internal", "message": type(exc).__name__}})
+                await self.send(_error(key.seq, Internal(type(exc).__name__)))
 
     async def _answer(self, key: Keystroke) -> dict[str, Any]:
         if not key.text:

@@ -16,22 +16,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from demo_ui.settings import Settings
+from inference.backends.factory import check_kind
 from inference.errors import Unavailable
 from inference.lifecycle import sigterm_as_interrupt
-from inference.settings import Settings
 
 if TYPE_CHECKING:
     from inference.triton.launcher import TritonServer
 
 Say = Callable[[str], None]
-BACKENDS = ("auto", "triton", "embedded")
 
 
 def choose_backend(requested: str, say: Say) -> str:
     """auto -> triton where the bundled tritonserver can run, else embedded (saying why)."""
-    if requested not in BACKENDS:
-        raise Unavailable(f"unknown backend {requested!r}; choose one of {', '.join(BACKENDS)}")
-    if requested == "embedded":
+    if requested != "auto" and check_kind(requested) == "embedded":
         return "embedded"
     from inference.triton.launcher import triton_unavailable_reason
 
@@ -56,12 +54,16 @@ class Prepared:
 
 def prepare(settings: Settings, backend: str, say: Say) -> Prepared:
     """Model, then catalog index: each step does nothing when its artefact is complete already."""
-    from catalog.job import ensure_grocery_index
+    from catalog.job import ensure_index
+    from catalog.sources import GROCERY_SOURCE
+    from catalog.spec import BuildSpec
     from inference.prepare import prepare_model
 
     manifest = prepare_model(settings.model.models_dir, settings.model.name, say=say)
     kind = choose_backend(backend, say)
-    version_dir = ensure_grocery_index(settings, progress=True)
+    # The demo's catalog is the grocery sample: any complete version of the current model will do.
+    spec = BuildSpec(source=GROCERY_SOURCE, text_fields=settings.catalog.text_fields)
+    version_dir = ensure_index(settings, spec, progress=True)
     say(f"catalog index {version_dir.name} ready in {settings.catalog.index_root}")
     model_id = manifest.variant_id(settings.model.variant)
     return Prepared(settings=settings, backend=kind, model_id=model_id, index_dir=settings.catalog.index_root)

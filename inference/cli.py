@@ -11,35 +11,20 @@ from typing import Any
 import numpy as np
 
 from inference.backends.factory import make_backend
-from inference.bench import register_args as register_bench_args
-from inference.bench import run as run_bench
 from inference.embedder import Embedder, load_tokenizer
+from inference.flags import add_flags, flag_overrides
 from inference.manifest import load_manifest
 from inference.prepare import prepare_model
-from inference.settings import Settings
+from inference.settings import ModelSettings, Settings
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models-dir", default=None, help="folder of prepared models (EMBEDCAR_MODEL_MODELS_DIR)")
-    p.add_argument("--model", dest="model_name", default=None, help="model name (EMBEDCAR_MODEL_NAME)")
-    p.add_argument("--variant", default=None, help="fp32 | int8 | fp16 (EMBEDCAR_MODEL_VARIANT)")
-    p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads, 0 = cores")
-
-
-def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The `model` settings section from the model flags a subcommand declares (absent = not set)."""
-    from pathlib import Path
-
-    return {
-        "models_dir": Path(args.models_dir) if getattr(args, "models_dir", None) else None,
-        "name": getattr(args, "model_name", None),
-        "variant": getattr(args, "variant", None),
-        "intra_op_threads": getattr(args, "threads", None),
-    }
+    """--models-dir, --model, --variant, --threads: what every model-facing command takes."""
+    add_flags(p, "model", ModelSettings, "models_dir", "name", "variant", "intra_op_threads")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    return Settings.load(overrides={"model": model_overrides(args)})
+    return Settings.load(overrides=flag_overrides(args))
 
 
 def register_model(sub: Any) -> None:
@@ -52,17 +37,6 @@ def register_model(sub: Any) -> None:
     show = msub.add_parser("show", help="print the manifest")
     add_model_flags(show)
     show.set_defaults(func=_show)
-    bench = msub.add_parser("bench", help="raw ONNX Runtime latency per variant/shape/threads (Markdown)")
-    add_model_flags(bench)
-    register_bench_args(bench)
-    bench.set_defaults(func=_bench)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    s = settings_from_args(args).model
-    print(run_bench(s.model_dir, args.variants.split(","), [int(t) for t in args.bench_threads.split(",")],
-                    args.reps))
-    return 0
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -89,8 +63,8 @@ def _embed(args: argparse.Namespace) -> int:
     s = settings_from_args(args).model
     manifest = load_manifest(s.model_dir)
     backend = make_backend(settings_from_args(args), "embedded")
-    embedder = Embedder(load_tokenizer(s.model_dir, manifest, max_text_chars=s.max_text_chars),
-                        backend, max_batch=s.max_batch)
+    embedder = Embedder(load_tokenizer(s.model_dir, manifest, max_text_chars=s.truncate_text_chars),
+                        backend, max_batch=s.max_texts_per_call)
     result = asyncio.run(embedder.embed(args.texts))
     emb = result.embeddings
     if args.json:

@@ -12,7 +12,7 @@ import numpy as np
 
 from inference.backends.base import Backend, Embeddings
 from inference.buckets import plan_calls
-from inference.manifest import Manifest, load_manifest
+from inference.manifest import Manifest
 from inference.text import check_texts
 from inference.tokenizer import QueryTokenizer
 
@@ -41,10 +41,6 @@ class Embedder:
         self.tokenizer = tokenizer
         self.backend = backend
         self.max_batch = max_batch
-
-    @classmethod
-    def for_model_dir(cls, model_dir: Path, backend: Backend, *, max_batch: int = 256) -> Embedder:
-        return cls(load_tokenizer(model_dir, load_manifest(model_dir)), backend, max_batch=max_batch)
 
     async def embed(self, texts: Sequence[object], *, check: bool = True,
                     backend_batch: int | None = None) -> EmbedResult:

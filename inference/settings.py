@@ -1,14 +1,27 @@
-"""The one settings object: built once per process from `EMBEDCAR_*` variables and CLI flags.
+"""Settings: one frozen object per process, built from `EMBEDCAR_*` variables and CLI flags.
 
-No other module reads the environment. Every field is documented; `describe()` prints them with
-secrets redacted. Environment names are `EMBEDCAR_<SECTION>_<FIELD>`, e.g.
-`EMBEDCAR_SIDECAR_GRPC_PORT=50051`; tuples are comma-separated.
+No other module reads the environment. Every field is documented (`setting(...)`); `describe()`
+prints them with secrets redacted. Environment names are `EMBEDCAR_<SECTION>_<FIELD>`, e.g.
+`EMBEDCAR_SIDECAR_GRPC_PORT=50051`; tuples are comma-separated. Flags come from the same fields
+(inference/flags.py).
+
+Each package owns its section, and each layer's `Settings` is the one below plus its own section, so
+no module imports upward and code names only the sections it may read:
+
+    inference.settings.Settings   model, triton
+    catalog.settings.Settings     + catalog
+    sidecar.settings.Settings     + sidecar
+    demo_ui.settings.Settings     + demo (every section: what loadtest and the tests use)
+
+A process builds the `Settings` of the top layer it runs; a higher one passes wherever a lower one
+is asked for.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,20 +31,39 @@ from typing import Any, Self
 from inference.errors import InvalidInput
 
 
-def _f(default: Any, doc: str, *, secret: bool = False) -> Any:
+def setting(default: Any, doc: str, *, secret: bool = False, flag: str | None = None,
+            choices: tuple[str, ...] | None = None) -> Any:
+    """A documented settings field. `flag`: its CLI flag name where that differs from the field's
+    (e.g. `--threads` for model.intra_op_threads); `choices`: the values its flag accepts."""
     # repr=False for secrets: a settings object in a log line or a traceback must not show them.
-    return field(default=default, metadata={"doc": doc, "secret": secret}, repr=not secret)
+    return field(default=default, repr=not secret,
+                 metadata={"doc": doc, "secret": secret, "flag": flag, "choices": choices})
+
+
+def env_name(section: str, name: str) -> str:
+    return f"EMBEDCAR_{section}_{name}".upper()
 
 
 @dataclass(frozen=True, slots=True)
 class ModelSettings:
-    models_dir: Path = _f(Path("models"), "Folder holding prepared model directories (git-ignored).")
-    name: str = _f("all-MiniLM-L6-v2", "Model directory name under models_dir.")
-    variant: str = _f("fp32", "ONNX variant to serve: fp32 (fused), int8 or fp16.")
-    intra_op_threads: int = _f(0, "ONNX Runtime intra-op threads; 0 = number of cores.")
-    ort_spinning: bool = _f(True, "Embedded backend: let ORT threads spin between calls.")
-    max_batch: int = _f(256, "Largest number of texts accepted in one embedding call.")
-    max_text_chars: int = _f(20_000, "Texts longer than this are cut before tokenizing.")
+    models_dir: Path = setting(Path("models"), "Folder holding prepared model directories (git-ignored).")
+    name: str = setting("all-MiniLM-L6-v2", "Model directory name under models_dir.", flag="model")
+    variant: str = setting("fp32", "ONNX variant to serve: fp32 (fused), int8 or fp16.")
+    intra_op_threads: int = setting(0, "Embedded backend: ONNX Runtime intra-op threads; 0 = number of cores.",
+                                    flag="threads")
+    ort_spinning: bool = setting(
+        True, "Embedded backend (in-process ORT): let its threads spin between calls. The ORT inside "
+        "Triton's CPU encoder has its own: triton.ort_spinning."
+    )
+    max_texts_per_call: int = setting(
+        256, "Most texts one embedding call may carry: a sidecar request or `embedcar embed` (more: "
+        "INVALID_ARGUMENT), and a backend call unless its caller sets a cap. Not the forward-pass size: "
+        "that is sidecar.max_rows_per_pass (and Triton's own triton.max_batch_size)."
+    )
+    truncate_text_chars: int = setting(
+        20_000, "Texts longer than this are cut before tokenizing (bounds tokenizer work; the model cuts "
+        "at its token limit anyway). The sidecar rejects long texts first: sidecar.max_text_chars."
+    )
 
     @property
     def model_dir(self) -> Path:
@@ -40,114 +72,50 @@ class ModelSettings:
 
 @dataclass(frozen=True, slots=True)
 class TritonSettings:
-    host: str = _f("127.0.0.1", "Address the local tritonserver binds to (loopback by default).")
-    grpc_port: int = _f(8001, "Triton gRPC port.")
-    http_port: int = _f(8000, "Triton HTTP port.")
-    metrics_port: int = _f(8002, "Triton Prometheus metrics port.")
-    urls: tuple[str, ...] = _f(
-        ("127.0.0.1:8001",), "Triton gRPC addresses the client spreads requests over."
+    host: str = setting("127.0.0.1", "Address the local tritonserver binds to (loopback by default).")
+    grpc_port: int = setting(8001, "Triton gRPC port (`triton serve`: 0 = a free one).")
+    http_port: int = setting(8000, "Triton HTTP port (`triton serve`: 0 = a free one).")
+    metrics_port: int = setting(8002, "Triton Prometheus metrics port (`triton serve`: 0 = a free one).")
+    urls: tuple[str, ...] = setting(
+        ("127.0.0.1:8001",), "Triton gRPC addresses the client spreads requests over.", flag="triton-url"
     )
-    repo_dir: Path = _f(Path("var/triton/repo"), "Generated model repository.")
-    target: str = _f("cpu", "Model repository target: cpu (ORT in Python backend) or gpu.")
-    max_queue_delay_us: int = _f(
+    repo_dir: Path = setting(Path("var/triton/repo"), "Generated model repository.", flag="out")
+    target: str = setting("cpu", "Model repository target: cpu (ORT in Python backend) or gpu.",
+                          choices=("cpu", "gpu"))
+    max_queue_delay_us: int = setting(
         0, "Dynamic batching wait; paid in full at low traffic. 0 = batch only what is already queued."
     )
-    preferred_batch_sizes: tuple[int, ...] = _f((4, 8, 16, 32), "Preferred dynamic batch sizes.")
-    cpu_instances: int = _f(0, "Encoder instances on CPU; 0 = one per two cores (at least 1).")
-    gpu_instances: int = _f(4, "Encoder instances per GPU (parallel CUDA streams).")
-    cpu_pooling: str = _f(
+    preferred_batch_sizes: tuple[int, ...] = setting((4, 8, 16, 32), "Preferred dynamic batch sizes.")
+    cpu_instances: int = setting(0, "Encoder instances on CPU; 0 = one per two cores (at least 1).",
+                                 flag="instances")
+    gpu_instances: int = setting(4, "Encoder instances per GPU (parallel CUDA streams).")
+    cpu_pooling: str = setting(
         "fused", "CPU target: pool inside the encoder's stub (fused: one Python hop) or as its own step."
     )
-    max_batch_size: int = _f(256, "max_batch_size of the generated models.")
-    timeout_ms: int = _f(2000, "gRPC deadline and Triton server-side timeout per request.")
-    engine_cache_dir: Path = _f(Path("var/trt-engines"), "Cache of TensorRT engines.")
-    backend_dir: Path = _f(Path("var/triton/backends"), "Assembled backend directory (Python backend + stub).")
-    ort_threads: int = _f(0, "ORT intra-op threads per CPU encoder instance; 0 = cores / instances.")
-    ort_spinning: bool = _f(False, "Let ORT threads spin between ops (off: shared cores stay free).")
-    shm_default_mb: int = _f(16, "Python backend shared-memory region per stub at start (MiB).")
-    shm_growth_mb: int = _f(64, "Python backend shared-memory growth step (MiB).")
-    startup_timeout_s: float = _f(120.0, "Longest wait for tritonserver to become ready.")
-    probe_interval_s: float = _f(0.5, "Client: how often each Triton URL is probed for readiness.")
-
-
-@dataclass(frozen=True, slots=True)
-class SidecarSettings:
-    host: str = _f("127.0.0.1", "Address the sidecar binds to; non-loopback requires API keys.")
-    grpc_port: int = _f(50051, "Sidecar gRPC port (0 = pick a free one).")
-    uds_path: Path | None = _f(
-        None, "Also serve gRPC on this Unix socket, mode 0660 (same-host callers; access by file permissions)."
+    max_batch_size: int = setting(
+        256, "max_batch_size in the generated models' config.pbtxt: the most rows Triton batches into one "
+        "execution (and accepts in one request)."
     )
-    http_port: int = _f(8080, "HTTP facade port (0 = pick a free one, -1 = off).")
-    backend: str = _f("embedded", "Inference backend: embedded (in-process ORT) or triton.")
-    embedded_fallback: bool = _f(
-        True, "Triton backend: answer with the embedded model while no Triton URL answers (only when the "
-        "model's ONNX file is present in model_dir; replies and metrics name the backend that answered)."
+    timeout_ms: int = setting(2000, "gRPC deadline and Triton server-side timeout per request.")
+    engine_cache_dir: Path = setting(Path("var/trt-engines"), "Cache of TensorRT engines.")
+    backend_dir: Path = setting(Path("var/triton/backends"), "Assembled backend directory (Python backend + stub).")
+    ort_threads: int = setting(0, "ORT intra-op threads per CPU encoder instance; 0 = cores / instances.")
+    ort_spinning: bool = setting(
+        False, "CPU target: let the ORT threads inside the Python-backend encoder spin between ops (off: "
+        "shared cores stay free). The embedded backend has its own: model.ort_spinning."
     )
-    api_keys: str = _f("", "tenant=key pairs, comma-separated.", secret=True)
-    api_keys_file: Path | None = _f(None, "File of `tenant key` lines (or `tenant sha256:hex`).")
-    rate_per_s: float = _f(1000.0, "Token bucket refill rate per tenant (requests/s).")
-    burst: int = _f(200, "Token bucket size per tenant.")
-    cache_entries: int = _f(100_000, "Hot-query cache size in entries (0 = off).")
-    cache_ttl_s: float = _f(3600.0, "Cache entry lifetime.")
-    max_message_bytes: int = _f(4 * 1024 * 1024, "Largest gRPC/HTTP request body.")
-    batch_wait_us: int = _f(500, "Embedded micro-batcher: longest wait to fill a batch.")
-    max_pending_batches: int = _f(2, "Admission: batches allowed to wait behind the running one.")
-    admission_budget_ms: float = _f(
-        10.0, "Admission: reject a request that would wait behind more than this much queued inference "
-        "(keeps accepted latency near the 20 ms SLA under overload, the excess refused at once). 0 = deadline only."
-    )
-    default_deadline_ms: int = _f(1000, "Deadline for requests that carry none.")
-    warm_queries_file: Path | None = _f(None, "Optional file of top queries to pre-load the cache.")
-    index_dir: Path | None = _f(None, "Catalog index root to serve Search from (None = no Search).")
-    grace_s: float = _f(5.0, "Graceful shutdown: time for in-flight requests to finish.")
-    max_text_chars: int = _f(10_000, "Texts longer than this are rejected (INVALID_ARGUMENT).")
-    batch_max_items: int = _f(32, "Embedded micro-batcher: most texts in one forward pass.")
-    max_k: int = _f(100, "Largest k a Search may ask for.")
-    index_poll_s: float = _f(5.0, "How often to look for a newer catalog index version.")
-    health_poll_s: float = _f(0.5, "How often to probe the backend while it is down.")
-
-
-@dataclass(frozen=True, slots=True)
-class CatalogSettings:
-    index_root: Path = _f(Path("indexes/grocery"), "Folder of versioned index directories.")
-    index_type: str = _f("auto", "auto, flat (exact), ivf or hnsw.")
-    ivf_nprobe: int = _f(0, "IVF lists probed per query; 0 = the value measured at build time.")
-    hnsw_m: int = _f(32, "HNSW graph degree.")
-    hnsw_ef_search: int = _f(64, "HNSW search breadth.")
-    batch_size: int = _f(128, "Texts per backend call in the batch job.")
-    in_flight: int = _f(2, "Backend calls in flight in the batch job.")
-    search_threads: int = _f(1, "FAISS OpenMP threads (1 is fastest for single queries).")
-    text_fields: tuple[str, ...] = _f(("title",), "Product fields joined (with ' | ') into the embedded text.")
-    flat_max_items: int = _f(20_000, "auto index type: exact search up to this many items.")
-    hnsw_max_items: int = _f(
-        200_000, "auto index type: HNSW above flat_max_items up to this many items (its build grows fast), IVF above."
-    )
-    ivf_nlist: int = _f(0, "IVF lists; 0 = about sqrt(items).")
-    ann_recall_target: float = _f(0.95, "Build-time nprobe choice: smallest reaching this recall@10 vs exact.")
-    hnsw_ef_construction: int = _f(80, "HNSW build breadth (slow to build on CPU: see DESIGN).")
-    chunk_items: int = _f(4096, "Batch job checkpoint granularity: items per chunk file.")
-    use_gpu: bool = _f(True, "Move the index to the GPU when faiss has GPUs.")
-
-
-@dataclass(frozen=True, slots=True)
-class DemoSettings:
-    host: str = _f("127.0.0.1", "Address the demo web server binds to.")
-    port: int = _f(8765, "Demo web server port.")
-    budget_ms: float = _f(20.0, "Per-keystroke latency budget shown on the page.")
-    max_messages_per_s: float = _f(50.0, "Per-connection websocket message cap.")
-    max_message_bytes: int = _f(4096, "Largest websocket message accepted; bigger closes the socket.")
-    max_query_chars: int = _f(200, "Longest query text searched; longer gets an error message.")
-    results: int = _f(10, "Products shown per keystroke.")
-    search_timeout_s: float = _f(2.0, "Deadline of one Search call to the sidecar.")
+    shm_default_mb: int = setting(16, "Python backend shared-memory region per stub at start (MiB).")
+    shm_growth_mb: int = setting(64, "Python backend shared-memory growth step (MiB).")
+    startup_timeout_s: float = setting(120.0, "Longest wait for tritonserver to become ready.")
+    probe_interval_s: float = setting(0.5, "Client: how often each Triton URL is probed for readiness.")
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
+    """The ground floor's sections; the packages above subclass this to add theirs."""
+
     model: ModelSettings = field(default_factory=ModelSettings)
     triton: TritonSettings = field(default_factory=TritonSettings)
-    sidecar: SidecarSettings = field(default_factory=SidecarSettings)
-    catalog: CatalogSettings = field(default_factory=CatalogSettings)
-    demo: DemoSettings = field(default_factory=DemoSettings)
 
     @classmethod
     def load(
@@ -163,9 +131,9 @@ class Settings:
             values: dict[str, Any] = {}
             hints = typing.get_type_hints(sec_cls)
             for f in dataclasses.fields(sec_cls):
-                key = f"EMBEDCAR_{sec.name}_{f.name}".upper()
+                key = env_name(sec.name, f.name)
                 if key in env:
-                    values[f.name] = _parse(hints[f.name], env[key], key)
+                    values[f.name] = parse_value(hints[f.name], env[key], key)
             for name, value in ((overrides or {}).get(sec.name) or {}).items():
                 if value is not None:
                     values[name] = value
@@ -187,28 +155,18 @@ class Settings:
             }
         return out
 
-    @staticmethod
-    def documentation() -> list[tuple[str, str, str]]:
-        """(variable, default, doc) for every field, for the README and `--help`."""
-        rows = []
-        for sec in dataclasses.fields(Settings):
-            sec_cls = typing.get_type_hints(Settings)[sec.name]
-            for f in dataclasses.fields(sec_cls):
-                rows.append((f"EMBEDCAR_{sec.name}_{f.name}".upper(), str(f.default),
-                             f.metadata.get("doc", "")))
-        return rows
 
-
-def _parse(tp: Any, raw: str, key: str) -> Any:
+def parse_value(tp: Any, raw: str, key: str) -> Any:
+    """`raw` (an environment value or a flag's text) as a field of type `tp`; `key` names it in errors."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     try:
         if origin is tuple:
             item = args[0]
-            return tuple(_parse(item, p.strip(), key) for p in raw.split(",") if p.strip())
-        if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+            return tuple(parse_value(item, p.strip(), key) for p in raw.split(",") if p.strip())
+        if origin in (typing.Union, types.UnionType):
             inner = next(a for a in args if a is not type(None))
-            return None if raw.strip() == "" else _parse(inner, raw, key)
+            return None if raw.strip() == "" else parse_value(inner, raw, key)
         if tp is bool:
             if raw.lower() in ("1", "true", "yes", "on"):
                 return True

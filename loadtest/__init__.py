@@ -2,5 +2,6 @@
 
 queries (shopper queries from the catalog) -> schedule (arrival times, pacer) -> runner (drives a
 target, records every request from its scheduled time) -> report / sweep (numbers, verdict, PNG).
-targets, baseline and stack are what gets driven and how it is started locally.
+targets, baseline and stack are what gets driven and how it is started locally; faults/ is the
+fault suite (`embedcar faults`), bench/ the benchmarks (`embedcar bench <area>`).
 """

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from inference.errors import InvalidInput, Unavailable
 from inference.lifecycle import terminate
 from inference.manifest import load_manifest
 from inference.pooling import pool
+from inference.ports import free_port
 
 
 class EmbeddingRequest(BaseModel):
@@ -75,12 +75,6 @@ def create_app(model_dir: Path, *, variant: str = "fp32", threads: int = 0) -> A
         }
 
     return app
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class BaselineServer:

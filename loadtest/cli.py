@@ -16,11 +16,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from inference.cli import add_model_flags, settings_from_args
+from demo_ui.settings import Settings
+from inference.cli import add_model_flags
 from inference.embedder import load_tokenizer
 from inference.errors import InvalidInput
+from inference.flags import flag_overrides
 from inference.manifest import load_manifest
-from inference.settings import Settings
 from loadtest.queries import QueryMix
 from loadtest.report import Summary, markdown, summarize, write_comparison, write_run
 from loadtest.runner import RunConfig, run_load
@@ -121,7 +122,7 @@ def _remote_target(spec: TargetSpec, args: argparse.Namespace, settings: Setting
 
 def main(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    settings = settings_from_args(args)
+    settings = Settings.load(overrides=flag_overrides(args))
     variant = settings.model.variant
     specs = _specs(args)
     config = RunConfig(rate=args.rate, duration_s=args.duration, warmup_s=args.warmup, batch=args.batch,

@@ -19,10 +19,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from inference.backends.factory import check_kind
 from inference.errors import EmbedcarError, InvalidInput, Unavailable
 from inference.lifecycle import terminate
-from inference.settings import Settings
-from loadtest.baseline import BaselineServer, free_port
+from inference.ports import free_port
+from loadtest.baseline import BaselineServer
 from loadtest.targets import (
     TARGETS,
     HttpEmbedTarget,
@@ -33,10 +34,9 @@ from loadtest.targets import (
     Target,
     TritonTarget,
 )
+from sidecar.settings import Settings
 
 log = logging.getLogger(__name__)
-
-BACKENDS = ("embedded", "triton")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +52,7 @@ class TargetSpec:
         backend = backend or default_backend
         if target not in TARGETS:
             raise InvalidInput(f"unknown target {target!r}; expected one of {', '.join(TARGETS)}")
-        if backend not in BACKENDS:
-            raise InvalidInput(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
-        return cls(target, backend)
+        return cls(target, check_kind(backend))
 
     @property
     def label(self) -> str:
@@ -64,13 +62,18 @@ class TargetSpec:
 
 
 class SidecarProcess:
-    """`embedcar sidecar serve` in a child process, configured through EMBEDCAR_* variables."""
+    """`embedcar sidecar serve` in a child process, configured through EMBEDCAR_* variables.
+
+    http=False leaves the HTTP facade off; uds_path: gRPC also on this Unix socket (`uds_target`).
+    """
 
     def __init__(self, settings: Settings, *, backend: str, variant: str, triton_url: str | None = None,
-                 index_dir: Path | None = None, log_file: Path | None = None,
-                 startup_timeout_s: float = 180.0, extra_env: dict[str, str] | None = None) -> None:
+                 index_dir: Path | None = None, log_file: Path | None = None, http: bool = True,
+                 uds_path: Path | None = None, startup_timeout_s: float = 180.0,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.grpc_port = free_port()
-        self.http_port = free_port()
+        self.http_port = free_port() if http else -1
+        self.uds_path = uds_path
         self.log_file = log_file
         self.startup_timeout_s = startup_timeout_s
         env = dict(os.environ)
@@ -91,6 +94,8 @@ class SidecarProcess:
             env["EMBEDCAR_TRITON_URLS"] = triton_url
         if index_dir is not None:
             env["EMBEDCAR_SIDECAR_INDEX_DIR"] = str(index_dir.resolve())
+        if uds_path is not None:
+            env["EMBEDCAR_SIDECAR_UDS_PATH"] = str(uds_path.resolve())
         env.update(extra_env or {})  # e.g. EMBEDCAR_SIDECAR_EMBEDDED_FALLBACK for a fault scenario
         self._env = env
         self._proc: subprocess.Popen[bytes] | None = None
@@ -102,6 +107,12 @@ class SidecarProcess:
     @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def uds_target(self) -> str:
+        if self.uds_path is None:
+            raise InvalidInput("this sidecar has no Unix socket (uds_path not given)")
+        return f"unix:{self.uds_path.resolve()}"
 
     @property
     def pid(self) -> int | None:
@@ -176,10 +187,14 @@ def start_stack(spec: TargetSpec, settings: Settings, stack: contextlib.ExitStac
         assert triton_url is not None
         return TritonTarget([triton_url], model_dir, variant=variant)
     if spec.target == "sidecar-search" and index_dir is None:
-        from catalog.job import ensure_grocery_index
+        from catalog.job import ensure_index
+        from catalog.sources import GROCERY_SOURCE
+        from catalog.spec import BuildSpec
 
+        # loadtest/queries.py builds its shopper queries from the same grocery catalog.
         log.info("making sure the grocery index exists (built once; minutes on CPU)")
-        ensure_grocery_index(settings.with_section("model", variant=variant))
+        ensure_index(settings.with_section("model", variant=variant),
+                     BuildSpec(source=GROCERY_SOURCE, text_fields=settings.catalog.text_fields))
         index_dir = settings.catalog.index_root
     log.info("starting the sidecar (%s backend, %s)", spec.backend, variant)
     sc = stack.enter_context(SidecarProcess(settings, backend=spec.backend, variant=variant, triton_url=triton_url,

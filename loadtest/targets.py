@@ -14,16 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from inference.errors import (
-    DeadlineExceeded,
-    EmbedcarError,
-    Internal,
-    InvalidInput,
-    NotFound,
-    Overloaded,
-    Unauthenticated,
-    Unavailable,
-)
+from inference.errors import DeadlineExceeded, Internal, Unavailable, error_for_http
 
 Timings = dict[str, int]
 
@@ -116,13 +107,6 @@ class SidecarSearchTarget(SidecarEmbedTarget):
         return super().describe() | {"k": self.k, "index_version": self.index_version}
 
 
-# HTTP status -> project error, the inverse of the sidecar's HTTP mapping.
-_HTTP_ERRORS: dict[int, type[EmbedcarError]] = {
-    400: InvalidInput, 401: Unauthenticated, 403: Unauthenticated, 404: NotFound, 413: InvalidInput,
-    422: InvalidInput, 429: Overloaded, 503: Unavailable, 504: DeadlineExceeded,
-}
-
-
 class HttpEmbedTarget(Target):
     """An OpenAI-compatible POST /v1/embeddings (the sidecar's HTTP facade or the baseline)."""
 
@@ -158,7 +142,7 @@ class HttpEmbedTarget(Target):
         except httpx.TransportError as exc:
             raise Unavailable(f"{self.base_url}: {exc}") from exc
         if r.status_code != 200:
-            raise _HTTP_ERRORS.get(r.status_code, Internal)(f"HTTP {r.status_code}: {r.text[:200]}")
+            raise error_for_http(r.status_code)(f"HTTP {r.status_code}: {r.text[:200]}")
         body = r.json()
         self.model = str(body.get("model", ""))
         if len(body.get("data", ())) != len(texts):

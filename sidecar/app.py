@@ -26,7 +26,6 @@ from inference.backends.factory import make_backend
 from inference.embedder import load_tokenizer
 from inference.errors import EmbedcarError, InvalidInput, Unavailable
 from inference.manifest import load_manifest
-from inference.settings import Settings
 from inference.tokenizer import TokenBatch
 from sidecar.admission import Admission
 from sidecar.auth import KeyRing, check_bind
@@ -39,6 +38,7 @@ from sidecar.ratelimit import RateLimiter
 from sidecar.scheduler import BackendHealth, DirectScheduler, FallbackScheduler, Scheduler
 from sidecar.search_index import IndexHolder
 from sidecar.service import EmbedService
+from sidecar.settings import Settings
 from sidecar.unix_socket import UnixSocket
 
 if TYPE_CHECKING:
@@ -63,11 +63,11 @@ class Sidecar:
         model_dir = settings.model.model_dir
         self.manifest = load_manifest(model_dir)
         self._owns_backend = backend is None
-        self.backend = backend if backend is not None else make_backend(settings)
-        self.tokenizer = load_tokenizer(model_dir, self.manifest, max_text_chars=settings.model.max_text_chars)
+        self.backend = backend if backend is not None else make_backend(settings, s.backend)
+        self.tokenizer = load_tokenizer(model_dir, self.manifest, max_text_chars=settings.model.truncate_text_chars)
         self.metrics = Metrics()
         hosts = max(1, len(settings.triton.urls)) if self.backend.batches_itself else 1
-        self.admission = Admission(max_outstanding_items=(s.max_pending_batches + 1) * s.batch_max_items * hosts,
+        self.admission = Admission(max_outstanding_items=(s.max_pending_batches + 1) * s.max_rows_per_pass * hosts,
                                    budget_s=s.admission_budget_ms / 1e3)
         self.cache = EmbeddingCache(self.backend.version_id, s.cache_entries, s.cache_ttl_s)
         self.health = BackendHealth(self.metrics)
@@ -77,8 +77,9 @@ class Sidecar:
         self.pipeline = EmbedPipeline(
             tokenizer=self.tokenizer, lowercase=self.manifest.lowercase, cache=self.cache, admission=self.admission,
             scheduler=self.scheduler, metrics=self.metrics, dim=self.backend.dim,
-            max_batch=min(settings.model.max_batch, self.backend.max_batch if self.backend.max_batch > 0 else 256),
-            max_chars=s.max_text_chars, max_items_per_call=s.batch_max_items)
+            max_batch=min(settings.model.max_texts_per_call,
+                          self.backend.max_batch if self.backend.max_batch > 0 else 256),
+            max_chars=s.max_text_chars, max_items_per_call=s.max_rows_per_pass)
         self.service = EmbedService(self.pipeline, model=self.backend.version_id, keys=self.keys,
                                     limiter=RateLimiter(s.rate_per_s, s.burst), metrics=self.metrics,
                                     default_deadline_s=s.default_deadline_ms / 1e3, max_k=s.max_k, index=self.index)
@@ -115,7 +116,7 @@ class Sidecar:
         s = self.settings.sidecar
         if backend.batches_itself:
             return DirectScheduler(backend, self.tokenizer, self.admission, self.metrics)
-        return MicroBatcher(backend, self.tokenizer, max_items=s.batch_max_items, wait_us=s.batch_wait_us,
+        return MicroBatcher(backend, self.tokenizer, max_items=s.max_rows_per_pass, wait_us=s.batch_wait_us,
                             admission=self.admission, metrics=self.metrics, label=label)
 
     def _fallback(self) -> Scheduler | None:
@@ -246,7 +247,7 @@ class Sidecar:
         self.admission.calibrate(samples[0], samples[1])
 
     def _probe_large(self) -> TokenBatch:
-        rows = min(8, self.settings.sidecar.batch_max_items, self.backend.max_batch)
+        rows = min(8, self.settings.sidecar.max_rows_per_pass, self.backend.max_batch)
         length = self.tokenizer.buckets[min(2, len(self.tokenizer.buckets) - 1)]
         return self.tokenizer.batch(self._probe.input_ids[:1, :3].tolist() * rows, length=length)
 
@@ -257,7 +258,7 @@ class Sidecar:
             queries = [q.strip() for q in text.splitlines() if q.strip()]
         except OSError as exc:
             raise InvalidInput(f"cannot read warm queries file {path}: {exc.strerror}") from exc
-        step = self.settings.sidecar.batch_max_items
+        step = self.settings.sidecar.max_rows_per_pass
         for i in range(0, len(queries), step):
             await self.service.embed(queries[i:i + step], authenticated=True, deadline=time.monotonic() + 60)
         log.info("cache warmed with %d queries", len(queries))

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from inference.errors import InvalidInput, Unauthenticated
-from inference.settings import SidecarSettings
+from sidecar.settings import SidecarSettings
 
 ANONYMOUS = "anonymous"
 _SHA_PREFIX = "sha256:"
@@ -32,10 +32,6 @@ class KeyRing:
     @property
     def enabled(self) -> bool:
         return bool(self._entries)
-
-    @property
-    def tenants(self) -> list[str]:
-        return [t for t, _ in self._entries]
 
     def tenant_for(self, key: str | None) -> str:
         """The tenant owning `key`, or Unauthenticated. Compares against every entry, always."""

@@ -26,11 +26,11 @@ from inference.errors import EmbedcarError
 from sidecar.errors import RETRY_AFTER_KEY, from_grpc
 from sidecar.grpc_server import API_KEY
 from sidecar.proto import embedcar_pb2 as pb
+from sidecar.proto import embedcar_pb2_grpc  # generated, untyped: mypy treats it as Any
 from sidecar.timings import STAGES
 
 _OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.max_send_message_length", -1)]
 EMBED = "/embedcar.v1.Embedder/Embed"
-SEARCH = "/embedcar.v1.Embedder/Search"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +71,10 @@ def decode_search(reply: pb.SearchReply) -> SearchResult:
                         reply.backend)
 
 
+def embed_request(texts: Sequence[str], float16: bool) -> pb.EmbedRequest:
+    return pb.EmbedRequest(texts=list(texts), float16=float16)
+
+
 def search_request(texts: Sequence[str], k: int, department: str | None, aisle: str | None) -> pb.SearchRequest:
     return pb.SearchRequest(texts=list(texts), k=k, department=department or "", aisle=aisle or "")
 
@@ -89,33 +93,46 @@ def map_rpc_error(exc: grpc.RpcError) -> EmbedcarError:
     return from_grpc(code, details, retry)
 
 
-class AsyncClient:
-    def __init__(self, target: str, *, api_key: str | None = None) -> None:
+class _RpcErrors:
+    """`with RPC_ERRORS:` re-raises a failed call's grpc.RpcError as the project's error (sync and async)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if isinstance(exc, grpc.RpcError):
+            raise map_rpc_error(exc) from None
+
+
+RPC_ERRORS = _RpcErrors()
+
+
+class _Calls:
+    """What both clients share: target, key metadata, and the generated stub (the method table),
+    which builds the same multi-callables on a sync or an aio channel."""
+
+    def __init__(self, target: str, api_key: str | None, channel: Any) -> None:
         self.target = target
         self._metadata = ((API_KEY, api_key),) if api_key else None
-        self._channel = grpc.aio.insecure_channel(target, options=_OPTIONS)
-        # Multi-callables made once: the generated stub adds nothing and is untyped.
-        self._embed = self._channel.unary_unary(EMBED, request_serializer=pb.EmbedRequest.SerializeToString,
-                                                response_deserializer=pb.EmbedReply.FromString)
-        self._search = self._channel.unary_unary(SEARCH, request_serializer=pb.SearchRequest.SerializeToString,
-                                                 response_deserializer=pb.SearchReply.FromString)
+        self._channel = channel
+        self._stub = embedcar_pb2_grpc.EmbedderStub(channel)
+
+
+class AsyncClient(_Calls):
+    def __init__(self, target: str, *, api_key: str | None = None) -> None:
+        super().__init__(target, api_key, grpc.aio.insecure_channel(target, options=_OPTIONS))
 
     async def embed(self, texts: Sequence[str], *, float16: bool = False,
                     timeout_s: float | None = None) -> EmbedResult:
-        try:
-            reply = await self._embed(pb.EmbedRequest(texts=list(texts), float16=float16),
-                                           timeout=timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise map_rpc_error(exc) from None
+        with RPC_ERRORS:
+            reply = await self._stub.Embed(embed_request(texts, float16), timeout=timeout_s, metadata=self._metadata)
         return decode_embed(reply)
 
     async def search(self, texts: Sequence[str], *, k: int = 10, department: str | None = None,
                      aisle: str | None = None, timeout_s: float | None = None) -> SearchResult:
-        try:
-            reply = await self._search(search_request(texts, k, department, aisle), timeout=timeout_s,
+        with RPC_ERRORS:
+            reply = await self._stub.Search(search_request(texts, k, department, aisle), timeout=timeout_s,
                                             metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise map_rpc_error(exc) from None
         return decode_search(reply)
 
     async def close(self) -> None:
@@ -129,40 +146,27 @@ class AsyncClient:
         await self.close()
 
 
-class Client:
+class Client(_Calls):
     def __init__(self, target: str, *, api_key: str | None = None) -> None:
-        self.target = target
-        self._metadata = ((API_KEY, api_key),) if api_key else None
-        self._channel = grpc.insecure_channel(target, options=_OPTIONS)
-        self._embed = self._channel.unary_unary(EMBED, request_serializer=pb.EmbedRequest.SerializeToString,
-                                                response_deserializer=pb.EmbedReply.FromString)
-        self._search = self._channel.unary_unary(SEARCH, request_serializer=pb.SearchRequest.SerializeToString,
-                                                 response_deserializer=pb.SearchReply.FromString)
+        super().__init__(target, api_key, grpc.insecure_channel(target, options=_OPTIONS))
 
     def embed(self, texts: Sequence[str], *, float16: bool = False, timeout_s: float | None = None) -> EmbedResult:
-        try:
-            reply = self._embed(pb.EmbedRequest(texts=list(texts), float16=float16), timeout=timeout_s,
-                                     metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise map_rpc_error(exc) from None
+        with RPC_ERRORS:
+            reply = self._stub.Embed(embed_request(texts, float16), timeout=timeout_s, metadata=self._metadata)
         return decode_embed(reply)
 
     def search(self, texts: Sequence[str], *, k: int = 10, department: str | None = None,
                aisle: str | None = None, timeout_s: float | None = None) -> SearchResult:
-        try:
-            reply = self._search(search_request(texts, k, department, aisle), timeout=timeout_s,
+        with RPC_ERRORS:
+            reply = self._stub.Search(search_request(texts, k, department, aisle), timeout=timeout_s,
                                       metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise map_rpc_error(exc) from None
         return decode_search(reply)
 
     def raw_embed(self, payload: bytes, *, timeout_s: float | None = None) -> bytes:
         """Send pre-serialised request bytes (tests of malformed input, benchmarks)."""
         call: Any = self._channel.unary_unary(EMBED)
-        try:
+        with RPC_ERRORS:
             out: bytes = call(payload, timeout=timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise map_rpc_error(exc) from None
         return out
 
     def close(self) -> None:

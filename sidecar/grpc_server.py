@@ -21,12 +21,12 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from inference.errors import EmbedcarError, Internal, InvalidInput, Unauthenticated
-from inference.settings import SidecarSettings
 from sidecar.auth import KeyRing
 from sidecar.errors import RETRY_AFTER_KEY, grpc_code
 from sidecar.metrics import Metrics
 from sidecar.proto import embedcar_pb2 as pb
 from sidecar.service import EmbedService
+from sidecar.settings import SidecarSettings
 from sidecar.unix_socket import UnixSocket, bind_unix_socket, prepare_unix_socket
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Embedder"].full_name

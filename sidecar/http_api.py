@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
-from inference.errors import EmbedcarError, Internal, InvalidInput, Unauthenticated
+from inference.errors import EmbedcarError, Internal, InvalidInput, PayloadTooLarge, Unauthenticated
 from sidecar.errors import http_status
 from sidecar.metrics import Metrics
 from sidecar.service import EmbedService
@@ -31,12 +31,8 @@ log = logging.getLogger(__name__)
 ALLOWED_FIELDS = frozenset({"input", "model", "encoding_format", "user"})
 
 
-class PayloadTooLarge(InvalidInput):
-    """Body over the configured max message size (HTTP 413)."""
-
-
 def _error(exc: EmbedcarError) -> JSONResponse:
-    status = 413 if isinstance(exc, PayloadTooLarge) else http_status(exc)
+    status = http_status(exc)
     headers: dict[str, str] = {}
     if exc.retry_after_s is not None:
         headers["Retry-After"] = f"{max(1, round(exc.retry_after_s))}"
@@ -127,7 +123,7 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
             return Response(status_code=400)
         except Exception as exc:  # a bug: a JSON 500 like gRPC's INTERNAL, and logged, not a crash
             log.exception("POST /v1/embeddings failed")
-            metrics.requests.labels("http_embed", "internal").inc()
+            metrics.requests.labels("http_embed", Internal.code).inc()
             return _error(Internal(f"unexpected error: {type(exc).__name__}"))
         metrics.requests.labels("http_embed", "ok").inc()
         metrics.observe_timings("embed", out.timings_ns)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from catalog.settings import CatalogSettings
 from inference.errors import EmbedcarError, FailedPrecondition, Internal, Unavailable
-from inference.settings import CatalogSettings
 
 if TYPE_CHECKING:
     from catalog.index import Hit, ProductIndex
@@ -24,14 +24,13 @@ log = logging.getLogger(__name__)
 
 
 class IndexHolder:
-    def __init__(self, index: ProductIndex | None = None, *, index_root: Path | None = None,
-                 expected_model_id: str | None = None, poll_s: float = 5.0,
-                 catalog: CatalogSettings | None = None) -> None:
+    def __init__(self, index: ProductIndex | None = None, *, catalog: CatalogSettings, index_root: Path | None = None,
+                 expected_model_id: str | None = None, poll_s: float = 5.0) -> None:
         self._index = index
         self._root = index_root
         self._expected = expected_model_id
         self._poll_s = poll_s
-        self._catalog = catalog or CatalogSettings()
+        self._catalog = catalog
         self._why = ("not opened yet" if index_root is not None else
                      "this sidecar has no index_dir (set EMBEDCAR_SIDECAR_INDEX_DIR)")
         # Only "nothing published yet" (or a root still loading) is worth retrying; no index_dir, an

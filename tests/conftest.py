@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from demo_ui.settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import load_tokenizer
 from inference.manifest import Manifest, load_manifest
-from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer
 
 pytest_plugins = [

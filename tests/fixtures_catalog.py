@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from catalog.job import BuildSpec, BuildSummary, build
+from catalog.job import BuildSummary, build
 from catalog.sources import Loaded, read_grocery
+from catalog.spec import BuildSpec
+from demo_ui.settings import Settings
 from inference.backends.onnx import OnnxBackend
-from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer
 
 SLICE = 300  # products in the test slice: enough for filters and neighbours, fast to embed

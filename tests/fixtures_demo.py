@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -23,9 +22,9 @@ import pytest
 from demo_ui.search import Product as FoundProduct
 from demo_ui.search import SearchFn, SearchOutcome
 from demo_ui.server import build_server, create_app
+from demo_ui.settings import DemoSettings, Settings
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import Embedder
-from inference.settings import DemoSettings, Settings
 from inference.tokenizer import QueryTokenizer
 
 if TYPE_CHECKING:
@@ -126,19 +125,6 @@ async def running_demo(search: SearchFn, demo: DemoSettings | None = None,
 
 
 # --- a real sidecar with a small real index ----------------------------------------------------
-def sidecar_unavailable_reason() -> str | None:
-    for mod, what in (("sidecar.app", "sidecar.app.Sidecar"), ("sidecar.client", "sidecar.client.AsyncClient"),
-                      ("catalog.job", "catalog.job"), ("catalog.index", "catalog.index.ProductIndex")):
-        try:
-            if importlib.util.find_spec(mod) is None:
-                return f"{what} is not written yet (issue dependency)"
-        except ImportError:
-            return f"{what} cannot be imported"
-    return None
-
-
-
-
 def _start_shared_sidecar(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> str:
     if "target" in _SHARED:
         return str(_SHARED["target"])
@@ -166,9 +152,6 @@ def _stop_shared_sidecar() -> None:
 @pytest.fixture(scope="session")
 def sidecar_search_target(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """gRPC target of a real Sidecar (embedded ORT backend) serving a small real index; no API keys."""
-    reason = sidecar_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
     target = _start_shared_sidecar(settings, tmp_path_factory)
     yield target
     _stop_shared_sidecar()
@@ -176,8 +159,10 @@ def sidecar_search_target(settings: Settings, tmp_path_factory: pytest.TempPathF
 
 def build_small_index(settings: Settings, products: list[Product]) -> Path:
     """A real catalog index (exact search) of `products` under settings.catalog.index_root."""
-    from catalog.job import BuildSpec, build, run_sync
+    from catalog.job import build
     from catalog.sources import Loaded
+    from catalog.spec import BuildSpec
+    from inference.aio import run_sync
 
     spec = BuildSpec(text_fields=settings.catalog.text_fields, index_type="flat")
     loaded = Loaded(products=list(products), source="demo test sample")

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+from demo_ui.settings import Settings
 from inference.backends.base import Backend, Embeddings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import Unavailable
-from inference.settings import Settings
 from inference.tokenizer import TokenBatch
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.client import Client

@@ -15,10 +15,10 @@ import pytest
 from catalog import index as index_mod
 from catalog import store
 from catalog.index import ProductIndex, build_faiss
-from catalog.job import publish_index
+from catalog.publish import publish_index
 from catalog.sources import Product
+from demo_ui.settings import Settings
 from inference.errors import InvalidInput, ModelError, Unavailable
-from inference.settings import Settings
 
 DIM = 32
 MODEL = "test-model@0000/fp32"

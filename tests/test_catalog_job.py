@@ -12,11 +12,13 @@ import pytest
 
 from catalog import store
 from catalog.index import ProductIndex
-from catalog.job import BuildSpec, BuildSummary, build, ensure_grocery_index, merge, parse_shard, select_shard
-from catalog.sources import Loaded, read_path
+from catalog.job import BuildSummary, build, ensure_index, merge
+from catalog.shards import select_shard
+from catalog.sources import GROCERY_SOURCE, Loaded, read_path
+from catalog.spec import BuildSpec, parse_shard
+from demo_ui.settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import InvalidInput, NotFound
-from inference.settings import Settings
 
 
 class Crash(Exception):
@@ -179,11 +181,11 @@ def test_a_catalog_with_no_valid_rows_is_a_clear_error(settings: Settings, tmp_p
     assert read_path(src).bad[0].line == 1
 
 
-def test_ensure_grocery_index_reuses_a_version_for_the_current_model(
+def test_ensure_index_reuses_a_version_for_the_current_model(
         grocery_index_root: Path, settings: Settings, onnx_backend: OnnxBackend) -> None:
     s = settings.with_section("catalog", index_root=grocery_index_root)
     before = store.complete_versions(grocery_index_root)
-    assert ensure_grocery_index(s, backend=onnx_backend, progress=False) == before[-1]
+    assert ensure_index(s, BuildSpec(source=GROCERY_SOURCE), backend=onnx_backend, progress=False) == before[-1]
     assert store.complete_versions(grocery_index_root) == before
 
 
@@ -212,21 +214,21 @@ def test_two_builds_of_the_same_input_do_not_share_checkpoints(
     from collections.abc import Iterator
 
     from catalog import job
+    from catalog.lock import exclusive
     from inference.errors import Unavailable
     from tests.fixtures_catalog import catalog_settings_for
 
     s = catalog_settings_for(settings, tmp_path / "idx")
     small = Loaded(grocery_slice.products[:20], [], "slice")
     seen: list[Path] = []
-    real = job._exclusive
 
     @contextlib.contextmanager
     def spy(path: Path) -> Iterator[None]:
         seen.append(path)
-        with real(path):
+        with exclusive(path):
             yield
 
-    monkeypatch.setattr(job, "_exclusive", spy)
+    monkeypatch.setattr(job, "exclusive", spy)
     run_build(s, onnx_backend, small)
     lock = seen[0]
     lock.parent.mkdir(parents=True, exist_ok=True)
@@ -255,13 +257,13 @@ def test_an_ivf_build_is_tuned_with_embedded_text_queries(
 # says so and waits, so the test SIGKILLs it at that point on any machine, fast or slow.
 _PAUSE_AFTER_FIRST_CHECKPOINT = """
 import sys
-from catalog import job
-saved = job.ChunkedEmbedder._save_progress
-def pause(self, fingerprint, n_chunks, done):
-    saved(self, fingerprint, n_chunks, done)
-    print(f"CHECKPOINT {len(done)}/{n_chunks}", flush=True)
+from catalog.checkpoints import Checkpoints
+saved = Checkpoints.save_progress
+def pause(self, done):
+    saved(self, done)
+    print(f"CHECKPOINT {len(done)}/{self.n_chunks}", flush=True)
     sys.stdin.readline()  # held here until the test kills the process
-job.ChunkedEmbedder._save_progress = pause
+Checkpoints.save_progress = pause
 from inference.cli_main import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -309,7 +311,7 @@ def test_a_build_killed_with_sigkill_resumes_to_the_same_index(
     np.testing.assert_allclose(vectors(summary.version_dir), vectors(grocery_build.version_dir), atol=1e-6)
 
 
-def test_ensure_grocery_index_builds_once_for_concurrent_callers(
+def test_ensure_index_builds_once_for_concurrent_callers(
         settings: Settings, tmp_path: Path, onnx_backend: OnnxBackend, grocery_slice: Loaded,
         monkeypatch: pytest.MonkeyPatch) -> None:
     from concurrent.futures import ThreadPoolExecutor
@@ -321,7 +323,8 @@ def test_ensure_grocery_index_builds_once_for_concurrent_callers(
     monkeypatch.setattr(job, "read_path", lambda *a, **k: small)  # the full catalog takes minutes
     s = catalog_settings_for(settings, tmp_path / "idx")
     with ThreadPoolExecutor(2) as pool:
-        got = list(pool.map(lambda _: ensure_grocery_index(s, backend=onnx_backend, progress=False), range(2)))
+        got = list(pool.map(lambda _: ensure_index(s, BuildSpec(source=GROCERY_SOURCE), backend=onnx_backend,
+                                                   progress=False), range(2)))
     assert got[0] == got[1]
     assert store.complete_versions(s.catalog.index_root) == [got[0]]
     assert store.read_manifest(got[0])["count"] == 50

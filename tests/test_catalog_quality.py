@@ -11,8 +11,8 @@ import pytest
 from catalog.calibration import fragment
 from catalog.quality import aisle_queries, evaluate, known_item_queries, markdown, score
 from catalog.sources import Loaded
+from demo_ui.settings import Settings
 from inference.errors import InvalidInput
-from inference.settings import Settings
 
 
 def test_recall_and_ndcg_arithmetic() -> None:

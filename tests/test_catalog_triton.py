@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from catalog import store
-from catalog.job import BuildSpec, BuildSummary, build
+from catalog.job import BuildSummary, build
 from catalog.sources import Loaded
+from catalog.spec import BuildSpec
+from demo_ui.settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.manifest import Manifest
-from inference.settings import Settings
 
 pytestmark = pytest.mark.triton
 

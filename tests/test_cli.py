@@ -8,8 +8,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from inference.cli_main import build_parser
+from inference.errors import InvalidInput
+from inference.flags import flag_overrides
 from inference.manifest import Manifest
 
 
@@ -52,6 +55,35 @@ def test_every_subcommand_loads() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     helps = {c.dest: c.help for c in sub._choices_actions}  # type: ignore[attr-defined]
-    assert {"model", "embed", "triton", "sidecar", "catalog", "demo", "loadtest"} <= set(helps)
+    assert {"model", "embed", "triton", "sidecar", "catalog", "demo", "loadtest", "bench"} <= set(helps)
     broken = {k: v for k, v in helps.items() if v and v.startswith("(unavailable")}
     assert not broken
+
+
+def test_flags_come_from_settings_fields() -> None:
+    from sidecar.settings import Settings
+
+    parser = build_parser()
+    args = parser.parse_args(["sidecar", "serve", "--models-dir", "m", "--model", "mini", "--threads", "1",
+                              "--triton-url", "a:1", "--triton-url", "b:1,c:1", "--backend", "triton",
+                              "--grpc-port", "0", "--index-dir", "idx"])
+    s = Settings.load(environ={"EMBEDCAR_SIDECAR_HTTP_PORT": "-1", "EMBEDCAR_SIDECAR_GRPC_PORT": "7"},
+                      overrides=flag_overrides(args))
+    assert (s.model.models_dir, s.model.name, s.model.intra_op_threads) == (Path("m"), "mini", 1)
+    assert s.triton.urls == ("a:1", "b:1", "c:1") and s.sidecar.backend == "triton"
+    assert (s.sidecar.grpc_port, s.sidecar.http_port) == (0, -1)  # a flag beats the environment; unset keeps it
+    assert s.sidecar.index_dir == Path("idx")
+    with pytest.raises(InvalidInput, match="--grpc-port"):
+        flag_overrides(parser.parse_args(["sidecar", "serve", "--grpc-port", "many"]))
+
+
+def test_help_shows_settings_flags_with_their_variables() -> None:
+    for argv, flags in [(("sidecar", "serve"), ("--models-dir", "--model", "--variant", "--threads", "--backend",
+                                                 "--triton-url", "--index-dir", "EMBEDCAR_SIDECAR_GRPC_PORT")),
+                        (("catalog", "build"), ("--index-root", "--text-fields", "--batch-size",
+                                                "EMBEDCAR_CATALOG_INDEX_TYPE"))]:
+        p = subprocess.run([sys.executable, "-m", "inference.cli_main", *argv, "--help"],
+                           capture_output=True, text=True, timeout=120, check=False)
+        assert p.returncode == 0, p.stderr
+        text = " ".join(p.stdout.split())  # argparse wraps help lines
+        assert all(flag in text for flag in flags), (argv, text)

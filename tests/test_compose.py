@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from demo_ui.settings import Settings
 from inference.manifest import Manifest
-from inference.settings import Settings
 from inference.triton.repository import PLAN_FILE
 
 # PyYAML arrives with uvicorn[standard]; imported untyped so the check holds with or without its stubs.

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from demo_ui.bench import breakdown, format_summary, load_queries, percentile, run_bench, sample_queries
 from demo_ui.ratecap import RateCap
 from demo_ui.slot import LatestSlot
+from loadtest.bench.demo import breakdown, format_summary, load_queries, percentile, run_bench, sample_queries
 from tests.fixtures_demo import InProcessSearch, inprocess_search, running_demo
 
 __all__ = ["inprocess_search"]  # fixture imported for pytest

@@ -17,8 +17,8 @@ from websockets.exceptions import ConnectionClosed
 
 from demo_ui.search import SearchOutcome
 from demo_ui.server import parse_message
+from demo_ui.settings import DemoSettings
 from inference.errors import InvalidInput, Unavailable
-from inference.settings import DemoSettings
 from tests.fixtures_demo import GatedSearch, InProcessSearch, inprocess_search, running_demo
 
 __all__ = ["inprocess_search"]  # fixture imported for pytest

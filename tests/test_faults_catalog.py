@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from catalog.job import publish_index
+from catalog.publish import publish_index
 from catalog.sources import Product
-from inference.settings import Settings
+from demo_ui.settings import Settings
 from loadtest.faults import index_swap, job_kill
 from loadtest.faults.result import ScenarioResult
 from sidecar.search_index import IndexHolder

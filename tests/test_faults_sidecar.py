@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from inference.settings import Settings
+from demo_ui.settings import Settings
 from inference.triton.launcher import triton_unavailable_reason
 from loadtest.faults import overload, triton_kill, triton_pool
 from loadtest.faults.result import ScenarioResult

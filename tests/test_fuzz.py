@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from demo_ui.server import parse_message
+from demo_ui.settings import Settings
 from inference.errors import InvalidInput
-from inference.settings import Settings
 from loadtest.faults import fuzz
 from loadtest.faults.surfaces import DemoThread, http_post
 from sidecar.app import Sidecar

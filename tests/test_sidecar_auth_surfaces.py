@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from demo_ui.settings import Settings
 from inference.errors import Unauthenticated
-from inference.settings import Settings, SidecarSettings
 from loadtest.faults import auth
 from loadtest.faults.surfaces import DemoThread, LogCapture
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.auth import KeyRing
+from sidecar.settings import SidecarSettings
 from tests.fixtures_sidecar import sidecar_settings
 
 KEY = "sk-test-right-" + "ab12" * 8

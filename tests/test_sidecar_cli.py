@@ -4,16 +4,38 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from inference.settings import Settings
+from demo_ui.settings import Settings
+from inference.errors import Unavailable
+from inference.ports import free_port
 from sidecar.app import SidecarThread
-from sidecar.bench import free_port, wait_serving
 from sidecar.client import Client
 from tests.conftest import ROOT
 from tests.fixtures_sidecar import ProbeBackend, sidecar_settings
+
+
+def wait_serving(target: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Until gRPC health says SERVING (open without a key, unlike Embed)."""
+    end = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < end:
+            if proc.poll() is not None:
+                raise Unavailable(f"sidecar exited with {proc.returncode} before serving")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise Unavailable(f"sidecar at {target} not serving after {timeout_s:.0f} s")
 
 
 @pytest.mark.slow

@@ -18,10 +18,10 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from demo_ui.settings import Settings
 from inference.backends.base import Embeddings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import DeadlineExceeded, InvalidInput, Overloaded, Unauthenticated, Unavailable
-from inference.settings import Settings
 from inference.tokenizer import TokenBatch
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.client import AsyncClient, Client
@@ -80,7 +80,7 @@ def test_non_loopback_bind_without_keys_is_refused(settings: Settings) -> None:
 
 async def test_overload_rejects_excess_fast(settings: Settings, probe_backend: ProbeBackend) -> None:
     """With the backend stalled, work beyond the queue cap is refused at once, not queued."""
-    s = sidecar_settings(settings, http_port=-1, batch_max_items=4, max_pending_batches=1)  # cap: 8 texts
+    s = sidecar_settings(settings, http_port=-1, max_rows_per_pass=4, max_pending_batches=1)  # cap: 8 texts
     with SidecarThread(s, backend=probe_backend) as sc:
         probe_backend.hold.clear()
         async with AsyncClient(sc.grpc_target) as c:

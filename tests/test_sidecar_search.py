@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from catalog.job import publish_index
+from catalog.publish import publish_index
 from catalog.sources import Product
+from demo_ui.settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import Embedder
 from inference.errors import FailedPrecondition, InvalidInput, Unavailable
-from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer
 from sidecar.app import SidecarThread
 from sidecar.client import Client

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
+from demo_ui.settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import EmbedcarError, Unavailable
-from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer
 from inference.triton.launcher import TritonServer
 from sidecar.app import SidecarThread

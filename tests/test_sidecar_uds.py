@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
+from demo_ui.settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import InvalidInput, Unauthenticated, Unavailable
-from inference.settings import Settings
 from sidecar.app import SidecarThread
 from sidecar.client import AsyncClient, Client
 from tests.fixtures_sidecar import sidecar_settings

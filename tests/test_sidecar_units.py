@@ -9,23 +9,30 @@ from pathlib import Path
 import grpc
 import pytest
 
+from demo_ui.settings import Settings
 from inference.errors import (
+    ERROR_CODES,
     DeadlineExceeded,
+    EmbedcarError,
     FailedPrecondition,
     Internal,
     InvalidInput,
     ModelError,
+    NotFound,
     Overloaded,
+    PayloadTooLarge,
     Unauthenticated,
     Unavailable,
+    error_for_grpc,
+    error_for_http,
 )
-from inference.settings import Settings, SidecarSettings
 from sidecar.admission import Admission
 from sidecar.auth import ANONYMOUS, KeyRing, check_bind, parse_keys_file
 from sidecar.errors import from_grpc, grpc_code, http_status
 from sidecar.http_api import parse_embeddings_request
 from sidecar.proto.generate import GENERATED, PROTO_DIR, generate
 from sidecar.ratelimit import RateLimiter
+from sidecar.settings import SidecarSettings
 
 
 # --- proto ------------------------------------------------------------------------------------
@@ -79,6 +86,25 @@ def test_secret_settings_are_redacted() -> None:
     assert "supersecret" not in repr(s.describe())
 
 
+def test_each_layer_adds_its_section() -> None:
+    from catalog import settings as catalog
+    from inference import settings as inference
+    from sidecar import settings as sidecar
+
+    env = {"EMBEDCAR_MODEL_VARIANT": "int8", "EMBEDCAR_CATALOG_TEXT_FIELDS": "title, aisle",
+           "EMBEDCAR_SIDECAR_MAX_ROWS_PER_PASS": "8", "EMBEDCAR_DEMO_PORT": "0"}
+    layers = [inference.Settings, catalog.Settings, sidecar.Settings, Settings]
+    assert [list(cls.load(environ=env).describe()) for cls in layers] == [
+        ["model", "triton"], ["model", "triton", "catalog"], ["model", "triton", "catalog", "sidecar"],
+        ["model", "triton", "catalog", "sidecar", "demo"]]
+    s = Settings.load(environ=env, overrides={"sidecar": {"grpc_port": 0}})
+    assert all(isinstance(s, cls) for cls in layers)  # the top one passes wherever a lower one is asked for
+    assert (s.model.variant, s.catalog.text_fields, s.sidecar.max_rows_per_pass, s.demo.port) == (
+        "int8", ("title", "aisle"), 8, 0)
+    changed = s.with_section("sidecar", backend="triton")
+    assert type(changed) is Settings and changed.sidecar.backend == "triton" and changed.sidecar.grpc_port == 0
+
+
 # --- rate limit -------------------------------------------------------------------------------
 def test_token_bucket_per_tenant() -> None:
     rl = RateLimiter(rate_per_s=10, burst=3)
@@ -110,21 +136,32 @@ def test_admission_deadlines_and_cap() -> None:
     a.admit(4, 64, deadline=None)
 
 
-def test_admission_budget_bounds_the_wait_not_the_request() -> None:
-    a = Admission(max_outstanding_items=100, s_per_token=1e-4, budget_s=0.010)  # 16 tokens ~ 1.6 ms
-    big = a.admit(8, 160, deadline=110.0, now=100.0)  # 16 ms alone, over the budget: idle, so admitted
+def test_admission_budget_sheds_a_standing_queue_not_a_burst() -> None:
+    a = Admission(max_outstanding_items=100, s_per_token=1e-4, budget_s=0.010, interval_s=0.1)  # 16 tok ~1.6 ms
+    burst = [a.admit(1, 16, deadline=110.0, now=100.0) for _ in range(10)]  # 16 ms queued: a burst, admitted
+    assert a.admit(1, 16, deadline=110.0, now=100.05) and not a.shedding  # over budget for 50 ms only
     with pytest.raises(Overloaded, match="queueing budget") as err:
-        a.admit(1, 16, deadline=110.0, now=100.0)  # the deadline allows it, the budget does not
-    assert err.value.retry_after_s == pytest.approx(0.006)  # when the queue will be back within budget
-    a.release(big)
-    queued = [a.admit(1, 16, deadline=110.0, now=100.0) for _ in range(7)]  # waits of 0 .. 9.6 ms
-    with pytest.raises(Overloaded):
-        a.admit(1, 16, deadline=110.0, now=100.0)  # would wait 11.2 ms
-    for t in queued:
-        a.release(t)
+        a.admit(1, 16, deadline=110.0, now=100.15)  # over budget for 150 ms: a standing queue, refused
+    assert a.shedding and err.value.retry_after_s == pytest.approx(0.0076)  # back within budget then
+    for t in burst[:6]:
+        a.release(t)  # 8 ms queued: within budget, admitted, but still shedding (not caught up yet)
+    a.admit(1, 16, deadline=110.0, now=100.16)
+    assert a.shedding
+    for t in burst[6:]:
+        a.release(t)  # 3.2 ms queued: below half the budget, the backend caught up
+    a.admit(1, 16, deadline=110.0, now=100.17)
+    assert not a.shedding
     assert Admission(max_outstanding_items=100, s_per_token=1e-4).budget_s == 0.0  # off: deadline only
+
+
+def test_admission_budget_bounds_the_wait_not_the_request() -> None:
+    a = Admission(max_outstanding_items=100, s_per_token=1e-4, budget_s=0.010, interval_s=0.0)
+    big = a.admit(8, 160, deadline=110.0, now=100.0)  # 16 ms alone, over the budget: idle, so admitted
+    with pytest.raises(Overloaded):
+        a.admit(1, 16, deadline=110.0, now=100.0)  # would wait 16 ms
+    a.release(big)
     # A backend slower per call than the budget: each request may still wait for one other.
-    slow = Admission(max_outstanding_items=100, s_per_token=1e-4, s_per_call=0.020, budget_s=0.010)
+    slow = Admission(max_outstanding_items=100, s_per_token=1e-4, s_per_call=0.020, budget_s=0.010, interval_s=0.0)
     slow.admit(1, 16, deadline=110.0, now=100.0)
     slow.admit(1, 16, deadline=110.0, now=100.0)  # waits ~21.6 ms <= its own ~21.6 ms
     with pytest.raises(Overloaded):
@@ -140,23 +177,39 @@ def test_admission_learns_backend_speed() -> None:
 # --- error mapping ----------------------------------------------------------------------------
 @pytest.mark.parametrize(("exc", "code", "status"), [
     (InvalidInput("x"), grpc.StatusCode.INVALID_ARGUMENT, 400),
+    (PayloadTooLarge("x"), grpc.StatusCode.INVALID_ARGUMENT, 413),
     (Unauthenticated("x"), grpc.StatusCode.UNAUTHENTICATED, 401),
     (Overloaded("x"), grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
     (DeadlineExceeded("x"), grpc.StatusCode.DEADLINE_EXCEEDED, 504),
     (Unavailable("x"), grpc.StatusCode.UNAVAILABLE, 503),
     (ModelError("x"), grpc.StatusCode.FAILED_PRECONDITION, 500),
     (FailedPrecondition("x"), grpc.StatusCode.FAILED_PRECONDITION, 400),
+    (NotFound("x"), grpc.StatusCode.NOT_FOUND, 404),
     (Internal("x"), grpc.StatusCode.INTERNAL, 500),
+    (EmbedcarError("x"), grpc.StatusCode.INTERNAL, 500),
 ])
-def test_error_mapping(exc: Exception, code: grpc.StatusCode, status: int) -> None:
-    assert grpc_code(exc) == code  # type: ignore[arg-type]
-    assert http_status(exc) == status  # type: ignore[arg-type]
+def test_error_mapping(exc: EmbedcarError, code: grpc.StatusCode, status: int) -> None:
+    assert grpc_code(exc) == code
+    assert http_status(exc) == status
+    assert exc.code == code.name.lower() == type(exc).code  # the metric label, on instance and class
+
+
+def test_inverse_lookups_give_the_general_class() -> None:
+    for cls, row in ERROR_CODES.items():
+        assert issubclass(cls, error_for_grpc(row.grpc))  # a gRPC status comes back as cls or a base
+        assert ERROR_CODES[error_for_http(row.http)].http == row.http  # HTTP shares statuses: the status holds
+    assert error_for_http(400) is InvalidInput and error_for_http(500) is Internal
+    assert error_for_http(413) is PayloadTooLarge and error_for_http(422) is InvalidInput
+    assert error_for_http(502) is Internal and error_for_grpc("UNKNOWN") is Internal
+    assert error_for_grpc("FAILED_PRECONDITION") is FailedPrecondition
 
 
 def test_client_side_mapping_keeps_code_and_hint() -> None:
     e = from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", 0.25)
     assert isinstance(e, Overloaded) and e.code == "resource_exhausted" and e.retry_after_s == 0.25
     assert isinstance(from_grpc(grpc.StatusCode.UNKNOWN, None), Internal)
+    assert isinstance(from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "message larger than max (5 vs. 4)"),
+                      PayloadTooLarge)  # grpc's own size check: the caller's fault
     # A configuration error reaches the client as itself, not as a retryable Unavailable.
     e = from_grpc(grpc.StatusCode.FAILED_PRECONDITION, "no product index loaded")
     assert isinstance(e, FailedPrecondition) and not isinstance(e, Unavailable)
@@ -196,5 +249,5 @@ def test_one_list_of_stages_for_pipeline_metrics_client_and_proto() -> None:
     from sidecar.proto import embedcar_pb2 as pb
     from sidecar.timings import STAGES, Timings
 
-    assert STAGES == tuple(f.name for f in pb.Timings.DESCRIPTOR.fields)
+    assert tuple(f.name for f in pb.Timings.DESCRIPTOR.fields) == STAGES
     assert set(Timings(auth=1, total=2).as_dict()) == set(STAGES)

@@ -22,9 +22,9 @@ import pytest
 from inference.backends.onnx import OnnxBackend
 from inference.backends.triton import TritonBackend
 from inference.manifest import Manifest
+from inference.ports import free_port
 from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer
-from inference.triton.launcher import free_port
 from inference.triton.repository import ENCODER, PLAN_FILE, generate_repository
 from inference.triton.trt_engine import EngineBuildError, Profile, build_engine, cache_key, trtexec_command
 

@@ -19,9 +19,10 @@ from inference.backends.onnx import OnnxBackend
 from inference.backends.triton import TritonBackend, map_error
 from inference.errors import DeadlineExceeded, InvalidInput, Unavailable
 from inference.manifest import Manifest
+from inference.ports import free_port
 from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer, TokenBatch
-from inference.triton.launcher import TritonServer, free_port, triton_unavailable_reason
+from inference.triton.launcher import TritonServer, triton_unavailable_reason
 from tests.fixtures_triton import triton_settings
 
 pytestmark = pytest.mark.triton

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -11,16 +10,6 @@ import numpy.typing as npt
 from inference.tokenizer import TokenBatch
 
 Embeddings = npt.NDArray[np.float32]
-
-
-@dataclass(slots=True)
-class BackendStats:
-    """Cumulative counters a backend keeps for metrics and admission control."""
-
-    calls: int = 0
-    items: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    busy_s: float = 0.0
 
 
 class Backend(ABC):

@@ -1,4 +1,4 @@
-"""The one place backends are built from settings: `make_backend(settings)`.
+"""The one place backends are built from settings: `make_backend(settings, kind)`.
 
     embedded  in-process ONNX Runtime (the model file of settings.model.variant)
     triton    a client of the Triton pool in settings.triton.urls (imported lazily: the embedded
@@ -20,30 +20,35 @@ from inference.settings import Settings
 KINDS = ("embedded", "triton")
 
 
-def make_backend(settings: Settings, kind: str | None = None, *, max_batch: int | None = None,
+def check_kind(kind: str) -> str:
+    """`kind` when it names a backend; else FailedPrecondition: a setting an operator must fix."""
+    if kind not in KINDS:
+        raise FailedPrecondition(f"unknown backend {kind!r}: expected one of {', '.join(KINDS)}")
+    return kind
+
+
+def make_backend(settings: Settings, kind: str, *, max_batch: int | None = None,
                  spinning: bool | None = None) -> Backend:
-    """The backend `kind` names (default settings.sidecar.backend), configured from `settings`.
+    """The backend `kind` names (the sidecar passes its sidecar.backend), configured from `settings`.
 
     `max_batch` overrides the largest batch one call may carry (the catalog job sends bigger ones
     than the sidecar accepts); `spinning` overrides model.ort_spinning for the embedded backend.
     """
     m = settings.model
-    kind = kind or settings.sidecar.backend
+    check_kind(kind)
     manifest = load_manifest(m.model_dir)
     if kind == "embedded":
         from inference.backends.onnx import OnnxBackend
 
         return OnnxBackend(m.model_dir, manifest, variant=m.variant, threads=m.intra_op_threads,
-                           max_batch=max_batch or m.max_batch,
+                           max_batch=max_batch or m.max_texts_per_call,
                            spinning=m.ort_spinning if spinning is None else spinning)
-    if kind == "triton":
-        try:
-            triton = importlib.import_module("inference.backends.triton")
-        except ImportError as exc:
-            raise Unavailable(f"the Triton backend cannot load: {exc}") from exc
-        t = settings.triton
-        backend: Backend = triton.TritonBackend(
-            t.urls, manifest, variant=m.variant, timeout_s=t.timeout_ms / 1000,
-            max_batch=min(max_batch or m.max_batch, t.max_batch_size), probe_interval_s=t.probe_interval_s)
-        return backend
-    raise FailedPrecondition(f"unknown backend {kind!r}: expected one of {', '.join(KINDS)}")
+    try:
+        triton = importlib.import_module("inference.backends.triton")
+    except ImportError as exc:
+        raise Unavailable(f"the Triton backend cannot load: {exc}") from exc
+    t = settings.triton
+    backend: Backend = triton.TritonBackend(
+        t.urls, manifest, variant=m.variant, timeout_s=t.timeout_ms / 1000,
+        max_batch=min(max_batch or m.max_texts_per_call, t.max_batch_size), probe_interval_s=t.probe_interval_s)
+    return backend

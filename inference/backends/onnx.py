@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from inference.backends.base import Backend, BackendStats, Embeddings
+from inference.backends.base import Backend, Embeddings
 from inference.errors import Internal, InvalidInput, ModelError
 from inference.manifest import Manifest
 from inference.pooling import pool
@@ -50,7 +49,6 @@ class OnnxBackend(Backend):
         self.version_id = manifest.variant_id(self.variant_name)
         self.dim = manifest.dim
         self.max_batch = max_batch
-        self.stats = BackendStats()
         self._sess: Any = None
         self._inputs: tuple[str, ...] = ()
         # One ORT call at a time: ORT already uses every core per call; concurrent calls on
@@ -98,19 +96,13 @@ class OnnxBackend(Backend):
             try:
                 out = self._sess.run(["last_hidden_state"], feed)[0]
             except Exception as exc:
-                self.stats.errors["internal"] = self.stats.errors.get("internal", 0) + 1
                 raise Internal(f"ONNX Runtime failed on a {batch.shape} batch: {exc}") from exc
         return np.asarray(out)
 
     def embed_sync(self, batch: TokenBatch) -> Embeddings:
-        t0 = time.perf_counter()
         hidden = self.hidden_sync(batch)
-        out = pool(hidden, batch.attention_mask, self.manifest.pooling,
-                   input_ids=batch.input_ids, special_ids=self.manifest.special_ids)
-        self.stats.calls += 1
-        self.stats.items += batch.shape[0]
-        self.stats.busy_s += time.perf_counter() - t0
-        return out
+        return pool(hidden, batch.attention_mask, self.manifest.pooling,
+                    input_ids=batch.input_ids, special_ids=self.manifest.special_ids)
 
     async def embed(self, batch: TokenBatch, *, timeout_s: float | None = None) -> Embeddings:
         fut = asyncio.get_running_loop().run_in_executor(self._executor, self.embed_sync, batch)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from inference.backends.base import Backend, BackendStats, Embeddings
+from inference.backends.base import Backend, Embeddings
 from inference.errors import DeadlineExceeded, EmbedcarError, Internal, InvalidInput, Unavailable
 from inference.manifest import Manifest
 from inference.tokenizer import TokenBatch
@@ -103,7 +103,6 @@ class TritonBackend(Backend):
         self.model_name = model_name
         self.timeout_s = timeout_s
         self.probe_interval_s = probe_interval_s
-        self.stats = BackendStats()
         self._endpoints: list[_Endpoint] = []
         self._rr = itertools.count()
         self._probe_task: asyncio.Task[None] | None = None
@@ -254,14 +253,12 @@ class TritonBackend(Backend):
                 raise InvalidInput(f"{name} is shaped {arr.shape}, input_ids {(b, n)}: malformed batch")
         timeout = timeout_s or self.timeout_s
         request = self._request(batch, timeout)
-        t0 = time.perf_counter()
         failed: list[tuple[EmbedcarError, Exception]] = []
         for ep in self._order():
             try:
                 emb = self._embedding(await ep.stub.ModelInfer(request, timeout=timeout))
             except Exception as exc:
                 err = map_error(exc, ep.url)
-                self.stats.errors[err.code] = self.stats.errors.get(err.code, 0) + 1
                 if isinstance(err, Unavailable):
                     self._mark(ep, False)
                     failed.append((err, exc))
@@ -270,9 +267,6 @@ class TritonBackend(Backend):
             if emb is None or emb.shape != (b, self.dim):
                 raise Internal(f"Triton returned {None if emb is None else emb.shape}, expected {(b, self.dim)}")
             self._mark(ep, True)
-            self.stats.calls += 1
-            self.stats.items += b
-            self.stats.busy_s += time.perf_counter() - t0
             return emb.astype(np.float32, copy=False)
         raise all_failed(failed)
 

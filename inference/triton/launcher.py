@@ -98,12 +98,6 @@ def _binary_runs(root: Path, hint: str) -> str | None:
     return None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 # --- who listens on a port (Linux /proc) -------------------------------------------------------
 _WILDCARDS = {"0.0.0.0", "::"}
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from inference.settings import Settings
+from demo_ui.settings import Settings
 from loadtest.faults.result import ScenarioResult
 from sidecar.grpc_server import API_KEY, SERVICE
 from sidecar.proto import embedcar_pb2 as pb

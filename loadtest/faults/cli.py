@@ -16,7 +16,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from inference.cli import add_model_flags, settings_from_args
+from demo_ui.settings import Settings
+from inference.cli import add_model_flags
+from inference.flags import flag_overrides
 from loadtest.faults.runner import run_scenarios, scenarios, write_report
 
 
@@ -33,7 +35,7 @@ def register(sub: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe request otherwise
-    settings = settings_from_args(args)
+    settings = Settings.load(overrides=flag_overrides(args))
     names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
     command = "embedcar faults " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     with tempfile.TemporaryDirectory(prefix="embedcar-faults-") as tmp:

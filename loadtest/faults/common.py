@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from demo_ui.settings import Settings
 from inference.embedder import load_tokenizer
 from inference.errors import DeadlineExceeded
 from inference.manifest import load_manifest
-from inference.settings import Settings
 from loadtest.queries import QueryMix
 from loadtest.runner import OK, RunConfig, RunResult, Sample, run_load
 from loadtest.targets import SidecarEmbedTarget, Timings

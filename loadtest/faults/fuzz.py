@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, Phase, example, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from inference.settings import Settings
+from demo_ui.settings import Settings
 from loadtest.faults.result import ScenarioResult
 from sidecar.grpc_server import API_KEY, SERVICE
 from sidecar.proto import embedcar_pb2 as pb

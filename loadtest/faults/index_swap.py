@@ -1,7 +1,7 @@
 """Index hot swap under Search load.
 
 A real sidecar (gRPC, embedded model) serves `Search` from an index root at 50 req/s, open loop,
-while a separate process runs the catalog job's publish step (`catalog.job.publish_index`: build
+while a separate process runs the catalog job's publish step (`catalog.publish.publish_index`: build
 FAISS, write a hidden temp folder, fsync, rename, prune) every few seconds. Each version holds a
 different window of one embedded product pool, so a reply whose hits do not all belong to the
 version it names shows a torn swap. The embeddings are computed once by the real job; re-embedding
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from demo_ui.settings import Settings
 from inference.errors import EmbedcarError
-from inference.settings import Settings
 from loadtest.faults.result import ScenarioResult
 
 if TYPE_CHECKING:
@@ -89,7 +89,8 @@ class Swap:
 def publisher_main(argv: Sequence[str]) -> int:
     """Publish windows of the pool version at `argv[0]` into the root `argv[1]`, one per stdin line."""
     from catalog import store
-    from catalog.job import publish_index, read_products
+    from catalog.product_table import read_products
+    from catalog.publish import publish_index
 
     pool_dir, root = Path(argv[0]), Path(argv[1])
     items, shift = int(argv[2]), int(argv[3])
@@ -154,7 +155,8 @@ class Publisher:
 # --- the scenario ----------------------------------------------------------------------------
 def run(settings: Settings, work: Path, *, quick: bool) -> ScenarioResult:
     from catalog import store
-    from catalog.job import read_products, run_sync
+    from catalog.product_table import read_products
+    from inference.aio import run_sync
 
     result = ScenarioResult(NAME, TITLE)
     t0 = time.monotonic()
@@ -205,8 +207,10 @@ async def _serve(settings: Settings, work: Path, pool_dir: Path, queries: Sequen
 
 def _embed_pool(settings: Settings, root: Path, n: int) -> Path:
     """The real catalog job over the first n grocery products (flat index): the shared pool."""
-    from catalog.job import BuildSpec, build, run_sync
+    from catalog.job import build
     from catalog.sources import read_grocery
+    from catalog.spec import BuildSpec
+    from inference.aio import run_sync
 
     s = settings.with_section("catalog", index_root=root, index_type="flat", chunk_items=1024)
     summary = run_sync(build(s, BuildSpec(), loaded=read_grocery(limit=n), progress=False))

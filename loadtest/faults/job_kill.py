@@ -35,15 +35,15 @@ from typing import Any
 import numpy as np
 
 from catalog import store
+from demo_ui.settings import Settings
 from inference.files import sha256_file
-from inference.settings import Settings
 from loadtest.faults.result import ScenarioResult
 
 NAME = "job-kill"
 TITLE = "Catalog job SIGKILLed at 5 random points (one during publish), resumed: same index, no partial version"
 
 SEED = 20261201
-SEEDED_VERSIONS = 3  # = catalog.job.KEEP_VERSIONS: the final publish prunes one
+SEEDED_VERSIONS = 3  # = catalog.publish.KEEP_VERSIONS: the final publish prunes one
 QUERIES = ("oat milk", "greek yogurt plain", "gluten free pasta", "dark chocolate bar", "green tea bags",
            "sparkling water", "frozen pizza", "peanut butter", "organic bananas", "dog food",
            "shampoo for dry hair", "whole wheat bread", "ice cream vanilla", "coffee beans", "paper towels",
@@ -417,15 +417,19 @@ def _ids(version: Path) -> list[str]:
 def _search_all(settings: Settings, roots: list[Path]) -> list[list[list[tuple[str, float]]]]:
     """Hits (id, score) for QUERIES on the newest version under each root, one embedding for all."""
     from catalog.index import ProductIndex
-    from catalog.job import job_backend, run_sync
-    from inference.embedder import Embedder
+    from catalog.job import job_backend
+    from inference.aio import run_sync
+    from inference.embedder import Embedder, load_tokenizer
+    from inference.manifest import load_manifest
 
     backend = job_backend(settings)
+    model_dir = settings.model.model_dir
+    embedder = Embedder(load_tokenizer(model_dir, load_manifest(model_dir)), backend)
 
     async def embed() -> Any:
         await backend.start()
         try:
-            return (await Embedder.for_model_dir(settings.model.model_dir, backend).embed(list(QUERIES))).embeddings
+            return (await embedder.embed(list(QUERIES))).embeddings
         finally:
             await backend.close()
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from inference.settings import Settings
+from demo_ui.settings import Settings
 from loadtest.faults.common import Phase, RecordingEmbedTarget, fmt, fresh_queries, load_during, rss_mb
 from loadtest.faults.result import ScenarioResult
 from loadtest.runner import RunConfig, run_load

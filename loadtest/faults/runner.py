@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
+from demo_ui.settings import Settings
 from inference.errors import InvalidInput
-from inference.settings import Settings
 from loadtest.faults.result import ScenarioResult
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from inference.settings import DemoSettings, Settings
+from demo_ui.settings import DemoSettings, Settings
 
 if TYPE_CHECKING:
     from sidecar.app import Sidecar
@@ -30,8 +30,10 @@ TENANT = "faults"
 
 def build_index(settings: Settings, root: Path, n: int) -> Path:
     """A real flat index of the first `n` grocery products under `root` (the catalog job)."""
-    from catalog.job import BuildSpec, build, run_sync
+    from catalog.job import build
     from catalog.sources import read_grocery
+    from catalog.spec import BuildSpec
+    from inference.aio import run_sync
 
     s = settings.with_section("catalog", index_root=root, index_type="flat", chunk_items=1024, use_gpu=False)
     summary = run_sync(build(s, BuildSpec(), loaded=read_grocery(limit=n), progress=False))

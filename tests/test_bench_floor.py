@@ -1,10 +1,11 @@
-"""The do-nothing Embedder server the sidecar bench compares cache hits with (sidecar/floor.py)."""
+"""The do-nothing Embedder server the sidecar bench compares cache hits with (loadtest/bench/floor.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from sidecar.bench import bench_hits_alternating, floor_process
+from loadtest.bench.floor import floor_process
+from loadtest.bench.sidecar import bench_hits_alternating
 from sidecar.client import Client
 
 

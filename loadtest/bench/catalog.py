@@ -1,4 +1,4 @@
-"""Catalog benchmarks: batch-job throughput vs raw ORT, and index build/size/search latency.
+"""`embedcar bench catalog build|search`: batch-job throughput vs raw ORT, and index build/size/search latency.
 
 Figures are only meaningful on a quiet machine; each result records the host's core count and
 load average so a noisy run is visible as such.
@@ -21,13 +21,15 @@ import numpy.typing as npt
 
 from catalog import store
 from catalog.index import ann_recall, build_faiss, exact_topk, faiss_module, sample_queries
-from catalog.job import BuildSpec, build
+from catalog.job import build
+from catalog.settings import Settings
 from catalog.sources import compose_text, read_grocery
+from catalog.spec import BuildSpec
 from inference.backends.onnx import OnnxBackend
 from inference.buckets import plan_calls
 from inference.embedder import load_tokenizer
+from inference.errors import NotFound
 from inference.manifest import load_manifest
-from inference.settings import Settings
 
 F32 = npt.NDArray[np.float32]
 
@@ -92,7 +94,7 @@ def scale_vectors(base: F32, n: int, *, seed: int = 0) -> F32:
 def text_queries(settings: Settings, version_dir: Path, n: int, *, seed: int) -> F32:
     """Embedded fragments of the version's product texts: real query-like vectors."""
     from catalog.calibration import calibration_queries
-    from catalog.job import read_products
+    from catalog.product_table import read_products
 
     manifest = load_manifest(settings.model.model_dir)
     products, _rows = read_products(version_dir / "products.parquet")
@@ -151,6 +153,21 @@ def bench_search(settings: Settings, base: F32, *, sizes: Sequence[int] = (50_00
                          "query_kind": "synthetic" if queries is None else "embedded title fragments",
                          "host": host()})
     return rows
+
+
+def bench_search_newest(settings: Settings, *, sizes: Sequence[int], types: Sequence[str], queries: int,
+                        hnsw_max_items: int) -> tuple[list[dict[str, Any]], int]:
+    """`bench_search` from the newest index version's real embeddings, timed and tuned with embedded
+    fragments of its product texts -> (rows, how many items are real)."""
+    newest = store.newest_version(settings.catalog.index_root)
+    if newest is None:
+        raise NotFound(f"bench search starts from real embeddings: run `embedcar catalog build` first "
+                       f"(no index under {settings.catalog.index_root})")
+    base = np.load(newest / store.VECTORS_FILE)
+    rows = bench_search(settings, base, sizes=sizes, types=types, hnsw_max_items=hnsw_max_items,
+                        queries=text_queries(settings, newest, queries, seed=1),
+                        calibration=text_queries(settings, newest, 256, seed=2))
+    return rows, int(base.shape[0])
 
 
 def search_markdown(rows: Sequence[dict[str, Any]]) -> str:

@@ -1,4 +1,4 @@
-"""`embedcar triton bench`: single-query latency through Triton vs the embedded backend vs raw ORT.
+"""`embedcar bench triton`: single-query latency through Triton vs the embedded backend vs raw ORT.
 
 For each shape the three paths run in alternating blocks (50 raw ORT calls, 50 Triton, 50
 embedded, 50 raw ORT, ...) so slow drifts of the machine hit them alike, while each path runs in
@@ -12,6 +12,7 @@ Timings are for the machine the command runs on; the report says so.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import platform
 import time
@@ -25,12 +26,14 @@ import numpy as np
 
 from inference.backends.onnx import OnnxBackend
 from inference.backends.triton import TritonBackend
+from inference.errors import InvalidInput, Unavailable
 from inference.files import atomic_write_text
 from inference.manifest import Manifest, load_manifest
 from inference.settings import Settings
 from inference.tokenizer import TokenBatch
+from inference.triton.launcher import TritonServer, triton_unavailable_reason
 from inference.triton.repository import ENSEMBLE, cpu_sizing
-from inference.triton.trace import WHOLE, phase_table
+from inference.triton.trace import WHOLE, phase_table, trace_args
 
 STEP_KEYS = ("queue", "compute_input", "compute_infer", "compute_output")
 BLOCK = 50  # calls per path before switching to the next path
@@ -193,6 +196,36 @@ async def run(settings: Settings, url: str, *, shapes: Sequence[tuple[int, int]]
     return report
 
 
+def bench(settings: Settings, *, url: str | None, shapes: Sequence[tuple[int, int]], reps: int, warmup: int,
+          compare_step: bool = False, trace: Path | None = None) -> BenchReport:
+    """`run` against `url`, or against a server started here (url None; traced into `trace` if given);
+    compare_step: also a server with pooling as its own step (cpu_pooling=step), timed alike."""
+    servers: list[TritonServer] = []
+    others: dict[str, str] = {}
+    try:
+        if url is None or compare_step:
+            reason = triton_unavailable_reason()
+            if reason:
+                raise Unavailable(reason)
+        if url is None:
+            servers.append(TritonServer(settings, extra_args=trace_args(trace.resolve()) if trace else ()).start())
+            url = servers[-1].grpc_url
+        elif trace:
+            raise InvalidInput("--trace needs the bench's own server (leave out --url)")
+        if compare_step:
+            repo = settings.triton.repo_dir
+            step = settings.with_section("triton", cpu_pooling="step", repo_dir=repo.with_name(repo.name + "-step"))
+            servers.append(TritonServer(step).start())  # its own free ports
+            others["triton two-step"] = servers[-1].grpc_url
+        report = asyncio.run(run(settings, url, shapes=shapes, reps=reps, warmup=warmup, others=others))
+    finally:
+        for server in servers:
+            server.stop()
+    if trace:
+        add_trace(report, trace)  # Triton writes the trace file when it stops
+    return report
+
+
 def add_trace(report: BenchReport, trace_file: Path) -> None:
     """Per shape, the phases of the traced server's requests (read after the server stopped)."""
     for shape, window in report.windows_ns.items():
@@ -209,7 +242,3 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
         b, _, n = part.strip().partition("x")
         out.append((int(b), int(n)))
     return out
-
-
-def to_dict(report: BenchReport) -> dict[str, Any]:
-    return asdict(report)

@@ -1,4 +1,4 @@
-"""`embedcar demo bench`: a scripted typist on the demo's websocket.
+"""`embedcar bench demo`: a scripted typist on the demo's websocket.
 
 Types N shopper queries letter by letter (one keystroke every `key_interval_ms`, as a person
 would, not waiting for answers), on one connection like one browser tab, and measures each
@@ -23,7 +23,7 @@ from demo_ui.search import STAGES
 from inference.errors import InvalidInput, Unavailable
 from inference.files import atomic_write_text
 
-QUERIES_FILE = Path(__file__).resolve().parent / "queries.txt"
+QUERIES_FILE = Path(__file__).resolve().parent / "typist_queries.txt"
 BREAKDOWN = ("total", "network", "server", *STAGES)
 
 

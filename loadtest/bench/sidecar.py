@@ -1,4 +1,4 @@
-"""`embedcar sidecar bench`: localhost latency of Embed for one 16-32-token query.
+"""`embedcar bench sidecar`: localhost latency of Embed for one 16-32-token query.
 
 Cases (sequential requests, one at a time: typeahead latency, not throughput):
   raw_ort          the embedded ONNX Runtime call alone (tokens -> pooled embedding), in-process
@@ -8,11 +8,12 @@ Cases (sequential requests, one at a time: typeahead latency, not throughput):
   triton_miss      Embed through a sidecar on the Triton backend (with --start-triton)
   overload         open-loop load beyond capacity (with --overload-qps): accepted requests' latency
                    against the unloaded miss latency, and how fast the excess is refused
-The sidecar runs in its own process (as deployed), so client and server do not share a GIL.
+The sidecar runs in its own process (as deployed, loadtest.stack.SidecarProcess), so client and
+server do not share a GIL.
 The client calls it over loopback TCP, or with --uds over a Unix socket (report field `transport`);
 with --uds, `hit_by_transport` also times cache hits over both transports of the same sidecar in
 alternating blocks, the fair A/B of the transport. With --floor, `hit_vs_floor` times cache hits
-against a do-nothing gRPC server with the same reply (sidecar/floor.py) in the same way: the part
+against a do-nothing gRPC server with the same reply (loadtest/bench/floor.py) in the same way: the part
 of a hit that any Python gRPC service pays on this host.
 sidecar_miss minus raw_ort is what the sidecar adds on a miss; sidecar_hit is the whole hit path.
 """
@@ -24,9 +25,6 @@ import contextlib
 import json
 import os
 import random
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -34,20 +32,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inference.backends.factory import make_backend
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import load_tokenizer
-from inference.errors import EmbedcarError, Unavailable
+from inference.errors import EmbedcarError
 from inference.files import atomic_write_text
-from inference.lifecycle import terminate
 from inference.manifest import load_manifest
-from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer
+from loadtest.bench.floor import floor_process
+from loadtest.stack import SidecarProcess
 from sidecar.client import AsyncClient, Client
+from sidecar.settings import Settings
 
 _WORDS = ("organic whole milk oat almond soy greek yogurt vanilla strawberry banana apple gala fuji "
           "sourdough rye bagel tortilla free range eggs dozen cheddar mozzarella parmesan butter "
@@ -56,6 +53,7 @@ _WORDS = ("organic whole milk oat almond soy greek yogurt vanilla strawberry ban
           "dark chocolate sea salt caramel coffee beans decaf green tea honey maple syrup gluten "
           "free low sodium family size pack of 12 ounce 1 gallon 500g 2 lb fresh baby spinach")
 VOCAB = tuple(_WORDS.split())
+LOG_DIR = Path("var/bench")  # the sidecar children's logs (git-ignored)
 
 
 def make_queries(tokenizer: QueryTokenizer, n: int, *, seed: int = 7, lo: int = 16, hi: int = 32) -> list[str]:
@@ -90,52 +88,24 @@ def timed(fn: Callable[[str], Any], queries: list[str]) -> tuple[list[float], li
     return lat, out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
-def sidecar_process(settings: Settings, extra: list[str], *, uds: bool = False) -> Iterator[tuple[str, str]]:
-    """`embedcar sidecar serve` in a child process on a free port; yields (its gRPC target, its TCP target).
+def sidecar_process(settings: Settings, backend: str, *, triton_url: str | None = None,
+                    uds: bool = False) -> Iterator[tuple[str, str]]:
+    """A sidecar child (HTTP off) on the bench's model settings; yields (the client's target, its TCP target).
 
     uds: the child also listens on a Unix socket in a fresh temporary folder, and the target is that socket.
     """
-    port = free_port()
     m = settings.model
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
-        target = f"127.0.0.1:{port}"
+        sock = None
         if uds:
             sock = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="embedcar-bench-"))) / "grpc.sock"
-            extra = [*extra, "--uds-path", str(sock)]
-            target = f"unix:{sock}"
-        cmd = [sys.executable, "-m", "inference.cli_main", "sidecar", "serve", "--grpc-port", str(port),
-               "--http-port", "-1", "--models-dir", str(m.models_dir), "--model", m.name, "--variant", m.variant,
-               "--threads", str(m.intra_op_threads), *extra]
-        proc = subprocess.Popen(cmd, env=os.environ.copy())
-        try:
-            wait_serving(target, proc, timeout_s=180)
-            yield target, f"127.0.0.1:{port}"
-        finally:
-            terminate(proc, 30)
-
-
-def wait_serving(target: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    end = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < end:
-            if proc.poll() is not None:
-                raise Unavailable(f"sidecar exited with {proc.returncode} before serving")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise Unavailable(f"sidecar at {target} not serving after {timeout_s:.0f} s")
+        sc = stack.enter_context(SidecarProcess(
+            settings, backend=backend, variant=m.variant, triton_url=triton_url, http=False, uds_path=sock,
+            log_file=LOG_DIR / f"sidecar-{backend}.log",
+            extra_env={"EMBEDCAR_MODEL_INTRA_OP_THREADS": str(m.intra_op_threads)}))
+        yield (sc.uds_target if uds else sc.grpc_target), sc.grpc_target
 
 
 def bench_client(target: str, queries: list[str], warm: list[str]) -> dict[str, Any]:
@@ -156,28 +126,6 @@ def bench_client(target: str, queries: list[str], warm: list[str]) -> dict[str, 
     return {"miss": stats_ms(miss_lat), "hit": stats_ms(hit_lat),
             "miss_outside_inference": stats_ms([t - i for t, i in zip(miss_lat, miss_inference, strict=True)]),
             "miss_server_stages_median_us": stages(miss), "hit_server_stages_median_us": stages(hit)}
-
-
-@contextlib.contextmanager
-def floor_process(dim: int) -> Iterator[str]:
-    """The do-nothing Embedder server (sidecar/floor.py) in a child process; yields its target."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sidecar.floor", "--port", str(port), "--dim", str(dim)])
-    target = f"127.0.0.1:{port}"
-    try:
-        end = time.monotonic() + 60
-        with Client(target) as c:
-            while True:
-                try:
-                    c.embed(["ping"], timeout_s=1.0)
-                    break
-                except EmbedcarError:
-                    if proc.poll() is not None or time.monotonic() > end:
-                        raise
-                    time.sleep(0.1)
-        yield target
-    finally:
-        terminate(proc, 30)
 
 
 def bench_hits_alternating(targets: dict[str, str], query: str, n: int, *, block: int = 50) -> dict[str, Any]:
@@ -276,7 +224,7 @@ def run_bench(settings: Settings, *, requests: int = 300, start_triton: bool = F
                               "note": "sequential requests, one query each, 16-32 tokens", "cases": {}}
     cases = report["cases"]
     cases["raw_ort"] = bench_raw_ort(settings, tokenizer, measured)
-    with sidecar_process(settings, ["--backend", "embedded"], uds=uds) as (target, tcp):
+    with sidecar_process(settings, "embedded", uds=uds) as (target, tcp):
         cases["sidecar_embedded"] = bench_client(target, measured, warm)
         if uds:
             cases["hit_by_transport"] = bench_hits_alternating({"tcp": tcp, "uds": target}, measured[0], requests)
@@ -292,8 +240,7 @@ def run_bench(settings: Settings, *, requests: int = 300, start_triton: bool = F
         with TritonServer(settings, variant=m.variant) as triton:
             ts = settings.with_section("triton", urls=(triton.grpc_url,))
             cases["raw_triton"] = bench_raw_triton(ts, tokenizer, triton_queries)
-            extra = ["--backend", "triton", "--triton-url", triton.grpc_url]
-            with sidecar_process(ts, extra, uds=uds) as (target, _tcp):
+            with sidecar_process(ts, "triton", triton_url=triton.grpc_url, uds=uds) as (target, _tcp):
                 cases["sidecar_triton"] = bench_client(target, triton_queries, warm)
     emb = cases["sidecar_embedded"]
     summary = {

@@ -2,9 +2,10 @@
 
 It answers every Embed call with one fixed reply of the real shape (one float32 vector of the
 model's width, as a cache hit returns it) without parsing the request: no auth, cache, metrics or
-timing. `embedcar sidecar bench --floor` times it with the sidecar's own client, in alternating
+timing. `embedcar bench sidecar --floor` times it with the sidecar's own client, in alternating
 blocks with real cache hits, so the difference is the sidecar's own work and the rest is Python
-gRPC plus the loopback hop. Run as `python -m sidecar.floor --port N [--dim 384]`.
+gRPC plus the loopback hop. Run as `python -m loadtest.bench.floor --port N [--dim 384]`, or
+`floor_process` from code.
 """
 
 from __future__ import annotations
@@ -12,10 +13,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
 
+from inference.errors import EmbedcarError
+from inference.lifecycle import terminate
+from inference.ports import free_port
+from sidecar.client import Client
 from sidecar.grpc_server import SERVICE
 from sidecar.proto import embedcar_pb2 as pb
 
@@ -38,6 +47,28 @@ async def serve(port: int, dim: int) -> None:
     server.add_insecure_port(f"127.0.0.1:{port}")  # loopback only, like the sidecar's default
     await server.start()
     await server.wait_for_termination()
+
+
+@contextlib.contextmanager
+def floor_process(dim: int) -> Iterator[str]:
+    """The floor server in a child process; yields its target once it answers."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "loadtest.bench.floor", "--port", str(port), "--dim", str(dim)])
+    target = f"127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 60
+        with Client(target) as c:
+            while True:
+                try:
+                    c.embed(["ping"], timeout_s=1.0)
+                    break
+                except EmbedcarError:
+                    if proc.poll() is not None or time.monotonic() > end:
+                        raise
+                    time.sleep(0.1)
+        yield target
+    finally:
+        terminate(proc, 30)
 
 
 def main() -> None:

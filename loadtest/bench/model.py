@@ -1,4 +1,4 @@
-"""`embedcar model bench`: raw ONNX Runtime latency per variant, shape and thread count.
+"""`embedcar bench model`: raw ONNX Runtime latency per variant, shape and thread count.
 
 Prints a Markdown table (median and P95 over many calls) for docs/benchmarks.md, and what length
 buckets save against padding every query to 128 tokens. Timing on shared machines is noisy: the
@@ -7,7 +7,6 @@ figures to quote are ratios within one run.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import time
 from collections.abc import Sequence
@@ -68,9 +67,3 @@ def run(model_dir: Path, variants: Sequence[str], threads: Sequence[int], reps: 
                              f"1x128 / 1x32 = {medians[k128] / medians[k32]:.1f}x (what a 16-32-token query "
                              f"saves by its bucket instead of padding to 128)")
     return "\n".join(lines)
-
-
-def register_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--variants", default="fp32,int8", help="comma-separated variants")
-    p.add_argument("--thread-counts", dest="bench_threads", default="1,2", help="comma-separated intra-op threads")
-    p.add_argument("--reps", type=int, default=300, help="timed calls per batch-1 shape")

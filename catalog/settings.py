@@ -1,0 +1,39 @@
+"""The catalog section (the batch job and the FAISS index) and the catalog layer's `Settings`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from inference import settings as inference
+from inference.settings import setting
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogSettings:
+    index_root: Path = setting(Path("indexes/grocery"), "Folder of versioned index directories.")
+    index_type: str = setting("auto", "auto, flat (exact), ivf or hnsw.")
+    ivf_nprobe: int = setting(0, "IVF lists probed per query; 0 = the value measured at build time.")
+    hnsw_m: int = setting(32, "HNSW graph degree.")
+    hnsw_ef_search: int = setting(64, "HNSW search breadth.")
+    batch_size: int = setting(128, "Texts per backend call in the batch job.")
+    in_flight: int = setting(2, "Backend calls in flight in the batch job.")
+    search_threads: int = setting(1, "FAISS OpenMP threads (1 is fastest for single queries).")
+    text_fields: tuple[str, ...] = setting(
+        ("title",), "Product fields joined (with ' | ') into the embedded text.")
+    flat_max_items: int = setting(20_000, "auto index type: exact search up to this many items.")
+    hnsw_max_items: int = setting(
+        200_000, "auto index type: HNSW above flat_max_items up to this many items (its build grows fast), IVF above."
+    )
+    ivf_nlist: int = setting(0, "IVF lists; 0 = about sqrt(items).")
+    ann_recall_target: float = setting(0.95, "Build-time nprobe choice: smallest reaching this recall@10 vs exact.")
+    hnsw_ef_construction: int = setting(80, "HNSW build breadth (slow on CPU: ~6 min for 200k items on 2 cores).")
+    chunk_items: int = setting(4096, "Batch job checkpoint granularity: items per chunk file.")
+    use_gpu: bool = setting(True, "Move the index to the GPU when faiss has GPUs.")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings(inference.Settings):
+    """model, triton and catalog: what the batch job and the index read."""
+
+    catalog: CatalogSettings = field(default_factory=CatalogSettings)

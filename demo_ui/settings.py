@@ -1,0 +1,27 @@
+"""The demo section and the top layer's `Settings`: every section (the demo runs the whole stack)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from inference.settings import setting
+from sidecar import settings as sidecar
+
+
+@dataclass(frozen=True, slots=True)
+class DemoSettings:
+    host: str = setting("127.0.0.1", "Address the demo web server binds to.")
+    port: int = setting(8765, "Demo web server port (0 = a free one).")
+    budget_ms: float = setting(20.0, "Per-keystroke latency budget shown on the page.")
+    max_messages_per_s: float = setting(50.0, "Per-connection websocket message cap.")
+    max_message_bytes: int = setting(4096, "Largest websocket message accepted; bigger closes the socket.")
+    max_query_chars: int = setting(200, "Longest query text searched; longer gets an error message.")
+    results: int = setting(10, "Products shown per keystroke.")
+    search_timeout_s: float = setting(2.0, "Deadline of one Search call to the sidecar.")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings(sidecar.Settings):
+    """Every section: the demo's stack, the load test and the fault suite run with this one."""
+
+    demo: DemoSettings = field(default_factory=DemoSettings)

@@ -1,0 +1,64 @@
+"""The sidecar section and the sidecar layer's `Settings` (with the catalog's: Search opens its index)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from catalog import settings as catalog
+from inference.backends.factory import KINDS
+from inference.settings import setting
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarSettings:
+    host: str = setting("127.0.0.1", "Address the sidecar binds to; non-loopback requires API keys.")
+    grpc_port: int = setting(50051, "Sidecar gRPC port (0 = pick a free one).")
+    uds_path: Path | None = setting(
+        None, "Also serve gRPC on this Unix socket, mode 0660 (same-host callers; access by file permissions)."
+    )
+    http_port: int = setting(8080, "HTTP facade port (0 = pick a free one, -1 = off).")
+    backend: str = setting("embedded", "Inference backend: embedded (in-process ORT) or triton.", choices=KINDS)
+    embedded_fallback: bool = setting(
+        True, "Triton backend: answer with the embedded model while no Triton URL answers (only when the "
+        "model's ONNX file is present in model_dir; replies and metrics name the backend that answered)."
+    )
+    api_keys: str = setting("", "tenant=key pairs, comma-separated.", secret=True)
+    api_keys_file: Path | None = setting(None, "File of `tenant key` lines (or `tenant sha256:hex`).")
+    rate_per_s: float = setting(1000.0, "Token bucket refill rate per tenant (requests/s).")
+    burst: int = setting(200, "Token bucket size per tenant.")
+    cache_entries: int = setting(100_000, "Hot-query cache size in entries (0 = off).")
+    cache_ttl_s: float = setting(3600.0, "Cache entry lifetime.")
+    max_message_bytes: int = setting(4 * 1024 * 1024, "Largest gRPC/HTTP request body.")
+    batch_wait_us: int = setting(500, "Embedded micro-batcher: longest wait to fill a batch.")
+    max_pending_batches: int = setting(2, "Admission: batches allowed to wait behind the running one.")
+    admission_budget_ms: float = setting(
+        10.0, "Admission: reject a request that would wait behind more than this much queued inference "
+        "(keeps accepted latency near the 20 ms SLA under overload, the excess refused at once). 0 = deadline only."
+    )
+    default_deadline_ms: int = setting(1000, "Deadline for requests that carry none.")
+    warm_queries_file: Path | None = setting(None, "Optional file of top queries to pre-load the cache.",
+                                             flag="warm-queries")
+    index_dir: Path | None = setting(None, "Catalog index root to serve Search from (None = no Search).")
+    grace_s: float = setting(5.0, "Graceful shutdown: time for in-flight requests to finish.")
+    max_text_chars: int = setting(
+        10_000, "Texts longer than this are rejected (INVALID_ARGUMENT), before model.truncate_text_chars "
+        "could cut them: the sidecar never embeds a shortened text."
+    )
+    max_rows_per_pass: int = setting(
+        32, "Most texts in one backend call (one forward pass): the embedded micro-batcher fills batches up "
+        "to it and a bigger request is split into calls of it; with max_pending_batches it sizes admission. "
+        "A request may carry up to model.max_texts_per_call texts."
+    )
+    max_k: int = setting(100, "Largest k a Search may ask for.")
+    index_poll_s: float = setting(5.0, "How often to look for a newer catalog index version.")
+    health_poll_s: float = setting(0.5, "How often to probe the backend while it is down.")
+
+
+
+
+@dataclass(frozen=True, slots=True)
+class Settings(catalog.Settings):
+    """model, triton, catalog and sidecar: what `embedcar sidecar serve` runs with."""
+
+    sidecar: SidecarSettings = field(default_factory=SidecarSettings)
