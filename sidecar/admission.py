@@ -7,13 +7,13 @@ request is rejected when it cannot finish before its deadline, when the queue is
 overload, when it would wait behind more than the queueing budget; a request whose deadline
 already passed never reaches the backend.
 
-Overload is a *standing* queue, told apart from a burst the way CoDel does it: the budget is
-enforced only once the queue has stayed above it for `interval_s` (100 ms), and until the backend
-has caught up (the queue below half the budget). A burst or a pause at normal traffic (a GC, a
-slow call) is absorbed, so the SLA rate sees no rejections; under sustained overload the queue is
-held near the budget, accepted latency stays near the SLA, and the excess is refused at once
-instead of expiring after it waited. The budget bounds the wait, not the request's own cost: a
-big batch on an idle backend still runs.
+Overload is a *standing* queue, told apart from a burst by a moving average of the queue's drain
+time over the last admissions (~20): the budget is enforced once that average exceeds the budget,
+and until it falls below half of it. A burst or a pause at normal traffic (a GC, a slow call, a
+whole micro-batch released at once) barely moves the average, so the SLA rate sees no
+rejections; under sustained overload the queue is held near the budget, accepted latency stays
+near the SLA, and the excess is refused at once instead of expiring after it waited. The budget
+bounds the wait, not the request's own cost: a big batch on an idle backend still runs.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ class Ticket:
 
 class Admission:
     def __init__(self, *, max_outstanding_items: int, s_per_token: float = 1e-4, s_per_call: float = 0.0,
-                 alpha: float = 0.2, budget_s: float = 0.0, interval_s: float = 0.1) -> None:
+                 alpha: float = 0.2, budget_s: float = 0.0, standing_alpha: float = 0.05) -> None:
         self.max_outstanding_items = max_outstanding_items
         self.budget_s = budget_s  # most queued work (drain time) to wait behind; 0 = the deadline only
-        self.interval_s = interval_s  # how long the queue must stay over budget to count as overload
+        self.standing_alpha = standing_alpha  # weight of one admission in the standing-queue average
+        self.standing_s = 0.0  # moving average of the drain time seen by admissions
         self.shedding = False  # overload seen: enforcing the budget until the queue is short again
-        self._over_since: float | None = None
         self.s_per_token = s_per_token
         self.s_per_call = s_per_call
         self.alpha = alpha
@@ -84,7 +84,7 @@ class Admission:
         # The wait allowed is the budget, or one call of this request's own size where that is longer
         # (a slow backend at low traffic is not overload: one request may always wait for another).
         limit = max(self.budget_s, own)
-        if self.budget_s and self._overloaded(drain, limit, t):
+        if self.budget_s and self._overloaded(drain, limit):
             raise Overloaded(f"overloaded: queue drains in about {drain * 1e3:.1f} ms, over the {limit * 1e3:.1f} ms "
                              "queueing budget", retry_after_s=drain - limit)
         if self.outstanding_items and self.outstanding_items + items > self.max_outstanding_items:
@@ -94,18 +94,14 @@ class Admission:
         self.outstanding_tokens += tokens
         return Ticket(items, tokens)
 
-    def _overloaded(self, drain: float, limit: float, now: float) -> bool:
+    def _overloaded(self, drain: float, limit: float) -> bool:
         """Whether this wait of `drain` is refused: over `limit` while the queue stands over budget."""
-        if drain <= limit:
-            self._over_since = None
-            if drain <= self.budget_s / 2:
-                self.shedding = False  # the backend caught up
-            return False
-        if self._over_since is None:
-            self._over_since = now
-        if now - self._over_since >= self.interval_s:
+        self.standing_s += self.standing_alpha * (drain - self.standing_s)
+        if self.standing_s > self.budget_s:
             self.shedding = True
-        return self.shedding
+        elif self.standing_s < self.budget_s / 2:
+            self.shedding = False  # the backend caught up
+        return self.shedding and drain > limit
 
     def release(self, ticket: Ticket) -> None:
         self.outstanding_items -= ticket.items
