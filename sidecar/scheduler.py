@@ -97,15 +97,15 @@ class FallbackScheduler(Scheduler):
         self.health = health
 
     async def run(self, bucket: int, ids: list[list[int]], deadline: float | None) -> Computed:
-        if self.health.up or self.fallback is None:
-            if not self.health.up:
-                raise Unavailable(f"backend {self.backend.name} is down; waiting for it to come back")
+        if self.health.up:
             try:
                 return await self.primary.run(bucket, ids, deadline)
             except Unavailable:
                 self.health.mark(False)  # later calls go straight to the fallback until the probe says up
                 if self.fallback is None:
                     raise
+        elif self.fallback is None:
+            raise Unavailable(f"backend {self.backend.name} is down; waiting for it to come back")
         return await self.fallback.run(bucket, ids, deadline)
 
     def start(self) -> None:

@@ -42,17 +42,13 @@ async def _outage(settings: Settings, triton: TritonServer, work: Path, *, fallb
         target = RecordingEmbedTarget(sc.grpc_target)
         await target.start()
         try:
-            def kill() -> None:
-                triton.kill()
-
-            def restart() -> None:
-                triton.start()  # same ports; returns once ready and warm
-
-            result, when = await load_during(target, texts, config, (kill_at, kill), (kill_at + outage_s, restart))
+            # start() keeps the ports and returns once ready and warm
+            result, when = await load_during(target, texts, config, (kill_at, triton.kill),
+                                             (kill_at + outage_s, triton.start))
         finally:
             await target.close()
     phase = Phase.of(result)
-    ready_at = when.get("restart", duration)
+    ready_at = when.get("start", duration)
     failures = [s for s in phase.samples if s.code != OK]
     last_fail_end = max((s.scheduled_s + s.latency_s for s in failures), default=None)
     first_fail = min((s.scheduled_s for s in failures), default=None)

@@ -33,10 +33,7 @@ async def _run(settings: Settings, a: TritonServer, b: TritonServer, work: Path,
         target = RecordingEmbedTarget(sc.grpc_target)
         await target.start()
         try:
-            def kill() -> None:
-                a.kill()
-
-            result, _ = await load_during(target, texts, config, (kill_at, kill))
+            result, _ = await load_during(target, texts, config, (kill_at, a.kill))
         finally:
             await target.close()
     return Phase.of(result)
