@@ -68,20 +68,29 @@ def register(sub: Any) -> None:
     s.add_argument("-k", type=int, default=10, help="results per query")
     s.add_argument("--department", default=None, help="only this department")
     s.add_argument("--aisle", default=None, help="only this aisle")
+    s.add_argument("--mode", default="semantic", choices=("semantic", "lexical", "hybrid"),
+                   help="semantic (FAISS), lexical (BM25, the last word a prefix) or both fused")
     s.set_defaults(func=_search)
 
     i = csub.add_parser("info", help="print the newest index version's manifest")
     _common(i, source=False)
     i.set_defaults(func=_info)
 
-    q = csub.add_parser("quality", help="weak-label recall@10 / nDCG@10 per variant and pooling mode")
+    q = csub.add_parser("quality", help="weak-label recall@10 / nDCG@10 per variant and pooling mode; with "
+                        "--prefixes, per search mode on query prefixes over the newest index version")
     _common(q, source=False)
     q.add_argument("--variants", default="fp32,int8", help="comma-separated ONNX variants")
     q.add_argument("--poolings", default="mean,mean_excluding_special", help="comma-separated pooling modes")
     q.add_argument("--limit", type=int, default=None, help="only the first N products (default: all 49,688)")
     q.add_argument("--known-items", type=int, default=1000, help="known-item queries")
+    q.add_argument("--seed", type=int, default=0, help="which known-item queries are drawn")
     q.add_argument("--ann", default="ivf,hnsw", help="approximate index types to compare with exact")
-    add_flags(q, "catalog", CatalogSettings, "text_fields")
+    add_flags(q, "catalog", CatalogSettings, "text_fields", "rrf_k", "fusion_depth")
+    q.add_argument("--prefixes", action="store_true",
+                   help="typeahead: cut each query to --cuts of its characters and score semantic, lexical and "
+                   "hybrid search on the newest index under --index-root (built by `catalog build`)")
+    q.add_argument("--cuts", default="25,50,75,100", help="with --prefixes: percentages of the characters kept")
+    q.add_argument("--modes", default="semantic,lexical,hybrid", help="with --prefixes: search modes")
     q.add_argument("--json", dest="json_out", default=None, help="also write the results here")
     q.set_defaults(func=_quality)
 
@@ -120,23 +129,28 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _search(args: argparse.Namespace) -> int:
+    from catalog.fusion import SearchMode, parse_mode
     from catalog.index import ProductIndex
     from catalog.job import job_backend
     from inference.embedder import Embedder, load_tokenizer
     from inference.manifest import load_manifest
 
     settings = _settings(args)
+    mode = parse_mode(args.mode)
     backend = job_backend(settings)
     index = ProductIndex.from_settings(settings.catalog, expected_model_id=backend.version_id)
-    embedder = Embedder(load_tokenizer(settings.model.model_dir, load_manifest(settings.model.model_dir)), backend)
-    emb = asyncio.run(embedder.embed(args.queries)).embeddings
+    emb = None
+    if mode != SearchMode.LEXICAL:
+        embedder = Embedder(load_tokenizer(settings.model.model_dir, load_manifest(settings.model.model_dir)),
+                            backend)
+        emb = asyncio.run(embedder.embed(args.queries)).embeddings
     shown = tuple(index.manifest.get("text_fields") or ("title",))
-    for query, hits in zip(args.queries, index.search(emb, args.k, department=args.department, aisle=args.aisle),
-                           strict=True):
-        print(f"{query!r} ({index.version}, {index.size} items):")
+    found, _ranking = index.query(args.queries, emb, args.k, mode=mode, department=args.department, aisle=args.aisle)
+    for query, hits in zip(args.queries, found, strict=True):
+        print(f"{query!r} ({index.version}, {index.size} items, {mode.value}):")
         for h in hits:
             where = " / ".join(h.fields.get(f, "") for f in ("department", "aisle") if h.fields.get(f))
-            print(f"  {h.score:.3f}  {h.id:>8}  {compose_text(h.fields, shown)}  [{where}]")
+            print(f"  {h.score:.3f}  {h.id:>8}  {compose_text(h.fields, shown)}  [{where}]  {'+'.join(h.legs)}")
     return 0
 
 
@@ -153,14 +167,36 @@ def _quality(args: argparse.Namespace) -> int:
     from catalog.quality import evaluate, markdown
 
     settings = _settings(args)
+    if args.prefixes:
+        return _prefix_quality(args, settings)
     results = []
     for variant in _list(args.variants):
         for pooling in _list(args.poolings):
             results.append(asyncio.run(evaluate(settings, variant=variant, pooling=pooling, limit=args.limit,
-                                                known_items=args.known_items, ann_types=_list(args.ann))))
+                                                known_items=args.known_items, seed=args.seed,
+                                                ann_types=_list(args.ann))))
             print(f"done: {variant} / {pooling}", file=sys.stderr)
     print(markdown(results))
     _write_json(args.json_out, results)
+    return 0
+
+
+def _prefix_quality(args: argparse.Namespace, settings: Settings) -> int:
+    from catalog.fusion import parse_mode
+    from catalog.prefix_quality import evaluate_prefixes, markdown, verdict
+
+    try:
+        cuts = [int(c) for c in _list(args.cuts)]
+    except ValueError as exc:
+        raise InvalidInput(f"--cuts takes integer percentages, got {args.cuts!r}") from exc
+    result = asyncio.run(evaluate_prefixes(settings, known_items=args.known_items, seed=args.seed, cuts=cuts,
+                                           modes=[parse_mode(m) for m in _list(args.modes)]))
+    print(f"index {result['index_version']} ({result['items']} items, FAISS {result['faiss']['type']}), "
+          f"fusion {result['fusion']}")
+    print(markdown(result))
+    for line in verdict(result):
+        print(line)
+    _write_json(args.json_out, result)
     return 0
 
 

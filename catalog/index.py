@@ -6,6 +6,10 @@ is HNSW up to `hnsw_max_items`: at the grocery catalog's 50k items it builds in 
 (docs/benchmarks.md). Above that, IVF: HNSW's build grew to ~6 min at 200k on 2 cores while IVF
 trains and adds in about a minute at 1M; its nprobe is chosen at build time as the smallest that
 reaches the recall target against exact search on embedded text queries.
+
+A version may also hold a lexical index (catalog/lexical.py, tantivy) over the same rows: `query`
+searches either leg or both fused (catalog/fusion.py), on one loaded version, so a hot swap
+replaces both together. Versions built before it existed load and serve semantic search.
 """
 
 from __future__ import annotations
@@ -13,17 +17,23 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 import numpy.typing as npt
 
 from catalog import store
+from catalog.fusion import LEXICAL_LEG, SEMANTIC_LEG, Fusion, Ranked, SearchMode
 from catalog.settings import CatalogSettings
-from inference.errors import Internal, InvalidInput, ModelError, NotFound, Unavailable
+from inference.errors import FailedPrecondition, Internal, InvalidInput, ModelError, NotFound, Unavailable
+
+if TYPE_CHECKING:
+    from catalog.lexical import LexicalHits, LexicalIndex
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +61,16 @@ class Hit:
     id: str
     score: float
     fields: dict[str, str]
+    legs: tuple[str, ...] = ()  # the search leg(s) that found it: "semantic", "lexical"
+
+
+@dataclass(slots=True)
+class Ranking:
+    """`ProductIndex.rank`'s answer: one list per query, and each leg's time (ns) over all queries."""
+
+    lists: list[Ranked]
+    semantic_ns: int = 0
+    lexical_ns: int = 0
 
 
 # --- building --------------------------------------------------------------------------------
@@ -172,6 +192,7 @@ class _Snapshot:
     vectors: F32
     table: Any  # pyarrow.Table, row i = vector i
     on_gpu: bool
+    lexical: LexicalIndex | None  # None: a version built before lexical search
     filters: OrderedDict[tuple[str, str], tuple[I64, Any]] = field(default_factory=OrderedDict)
     filters_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -213,8 +234,10 @@ class ProductIndex:
     """Search the newest complete index version under `index_root`; thread-safe, hot-swappable."""
 
     def __init__(self, index_root: Path, snapshot: _Snapshot, *, expected_model_id: str | None,
-                 nprobe: int | None, ef_search: int | None, use_gpu: bool, search_threads: int = 1) -> None:
+                 nprobe: int | None, ef_search: int | None, use_gpu: bool, search_threads: int = 1,
+                 fusion: Fusion | None = None) -> None:
         self.index_root = index_root
+        self.fusion = fusion or Fusion()
         self._search_threads = max(1, search_threads)
         self._snap = snapshot
         self._expected = expected_model_id
@@ -225,7 +248,8 @@ class ProductIndex:
 
     @classmethod
     def open(cls, index_root: Path, *, expected_model_id: str | None, search_threads: int = 1,
-             nprobe: int | None = None, ef_search: int | None = None, use_gpu: bool = True) -> Self:
+             nprobe: int | None = None, ef_search: int | None = None, use_gpu: bool = True,
+             fusion: Fusion | None = None) -> Self:
         """Load the newest complete version. nprobe/ef None = the values recorded at build time."""
         faiss = faiss_module()
 
@@ -236,14 +260,14 @@ class ProductIndex:
         snap = _load(path, nprobe=nprobe, ef_search=ef_search, use_gpu=use_gpu)
         _check_model(snap, expected_model_id)
         return cls(index_root, snap, expected_model_id=expected_model_id, nprobe=nprobe, search_threads=search_threads,
-                   ef_search=ef_search, use_gpu=use_gpu)
+                   ef_search=ef_search, use_gpu=use_gpu, fusion=fusion)
 
     @classmethod
     def from_settings(cls, cs: CatalogSettings, *, expected_model_id: str | None,
                       index_root: Path | None = None) -> Self:
         return cls.open(index_root or cs.index_root, expected_model_id=expected_model_id,
                         search_threads=cs.search_threads, nprobe=cs.ivf_nprobe or None,
-                        ef_search=cs.hnsw_ef_search, use_gpu=cs.use_gpu)
+                        ef_search=cs.hnsw_ef_search, use_gpu=cs.use_gpu, fusion=Fusion.from_settings(cs))
 
     # --- properties of the version being served ------------------------------------------
     @property
@@ -265,6 +289,10 @@ class ProductIndex:
     @property
     def dim(self) -> int:
         return int(self._snap.vectors.shape[1])
+
+    @property
+    def has_lexical(self) -> bool:
+        return self._snap.lexical is not None
 
     # --- hot reload ---------------------------------------------------------------------------
     def maybe_reload(self) -> bool:
@@ -289,7 +317,8 @@ class ProductIndex:
             return None
         log.info("index %s loaded (%d items)", snap.path.name, snap.size)
         return type(self)(self.index_root, snap, expected_model_id=self._expected, nprobe=self._nprobe,
-                          ef_search=self._ef, use_gpu=self._use_gpu, search_threads=self._search_threads)
+                          ef_search=self._ef, use_gpu=self._use_gpu, search_threads=self._search_threads,
+                          fusion=self.fusion)
 
     def _newer_snapshot(self) -> _Snapshot | None:
         path = store.newest_version(self.index_root)
@@ -306,14 +335,64 @@ class ProductIndex:
     # --- search -------------------------------------------------------------------------------
     def search(self, queries: npt.NDArray[np.floating], k: int = 10, *, department: str | None = None,
                aisle: str | None = None) -> list[list[Hit]]:
+        """Semantic search: the nearest products to each query vector."""
         snap = self._snap  # every step below uses this one version, even if a swap happens now
-        q = np.ascontiguousarray(queries, dtype=np.float32)
-        if q.ndim == 1:
-            q = q[None, :]
-        if q.ndim != 2 or q.shape[1] != snap.vectors.shape[1]:
-            raise InvalidInput(f"queries must be [n, {snap.vectors.shape[1]}], got {list(q.shape)}")
-        if not np.isfinite(q).all():
-            raise InvalidInput("queries contain NaN or infinite values")
+        return _hits(snap, self._semantic(snap, _vectors(snap, queries), k, department, aisle))
+
+    def query(self, texts: Sequence[str], queries: npt.NDArray[np.floating] | None, k: int = 10, *,
+              mode: SearchMode = SearchMode.SEMANTIC, department: str | None = None,
+              aisle: str | None = None) -> tuple[list[list[Hit]], Ranking]:
+        """Search by `mode` (queries: the texts' embeddings; None for LEXICAL), on one version."""
+        snap = self._snap
+        ranking = self._rank(snap, texts, queries, k, mode, department, aisle)
+        return _hits(snap, ranking.lists), ranking
+
+    def rank(self, texts: Sequence[str], queries: npt.NDArray[np.floating] | None, k: int = 10, *,
+             mode: SearchMode = SearchMode.SEMANTIC, department: str | None = None, aisle: str | None = None,
+             fusion: Fusion | None = None) -> Ranking:
+        """As `query`, rows instead of hits (quality evaluation); `fusion` overrides the configured one."""
+        return self._rank(self._snap, texts, queries, k, mode, department, aisle, fusion)
+
+    def _rank(self, snap: _Snapshot, texts: Sequence[str], queries: npt.NDArray[np.floating] | None, k: int,
+              mode: SearchMode, department: str | None, aisle: str | None,
+              fusion: Fusion | None = None) -> Ranking:
+        if snap.lexical is None and mode == SearchMode.LEXICAL:
+            raise FailedPrecondition(f"index version {snap.path.name} has no lexical index (built before lexical "
+                                     "search existed): rebuild it with `embedcar catalog build`")
+        if k < 1:
+            raise InvalidInput(f"k must be at least 1, got {k}")
+        fusion = fusion or self.fusion
+        semantic = mode != SearchMode.LEXICAL
+        lexical = mode != SearchMode.SEMANTIC and snap.lexical is not None  # an older version: semantic only
+        # Fusing needs more than k from each leg: a product ranked 15th by both should beat one 9th by one.
+        depth = max(k, fusion.depth) if semantic and lexical else k
+        out = Ranking([])
+        sem: list[Ranked] = []
+        if semantic:
+            if queries is None:
+                raise InvalidInput(f"{mode.value} search needs the query embeddings")
+            q = _vectors(snap, queries)
+            if q.shape[0] != len(texts):
+                raise InvalidInput(f"{len(texts)} texts but {q.shape[0]} query vectors")
+            t0 = time.perf_counter_ns()
+            sem = self._semantic(snap, q, depth, department, aisle)
+            out.semantic_ns = time.perf_counter_ns() - t0
+        lex: list[LexicalHits] = []
+        if lexical:
+            assert snap.lexical is not None
+            t0 = time.perf_counter_ns()
+            lex = [snap.lexical.search(t, depth, department=department, aisle=aisle) for t in texts]
+            out.lexical_ns = time.perf_counter_ns() - t0
+        if semantic and lexical:
+            out.lists = [fusion.fuse(s, Ranked.single(LEXICAL_LEG, x.rows, x.scores), x.complete, k)
+                         for s, x in zip(sem, lex, strict=True)]
+        elif lexical:
+            out.lists = [Ranked.single(LEXICAL_LEG, x.rows, x.scores) for x in lex]
+        else:
+            out.lists = sem
+        return out
+
+    def _semantic(self, snap: _Snapshot, q: F32, k: int, department: str | None, aisle: str | None) -> list[Ranked]:
         if k < 1:
             raise InvalidInput(f"k must be at least 1, got {k}")
         if q.shape[0] == 0:
@@ -332,7 +411,9 @@ class ProductIndex:
             raise
         except Exception as exc:  # FAISS raises RuntimeError for its own failures
             raise Internal(f"FAISS search failed: {exc}") from exc
-        return _hits(snap, scores, rows)
+        # FAISS pads with -1 when fewer than k results exist.
+        return [Ranked.single(SEMANTIC_LEG, r[r >= 0], s[r >= 0])
+                for s, r in zip(np.asarray(scores), np.asarray(rows), strict=True)]
 
     def _search_filtered(self, snap: _Snapshot, q: F32, k: int, department: str | None,
                          aisle: str | None) -> tuple[Any, Any]:
@@ -369,21 +450,30 @@ def _ivf(index: Any) -> Any:
     return faiss.extract_index_ivf(index)
 
 
-def _hits(snap: _Snapshot, scores: F32, rows: I64) -> list[list[Hit]]:
+def _vectors(snap: _Snapshot, queries: npt.NDArray[np.floating]) -> F32:
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    if q.ndim == 1:
+        q = q[None, :]
+    if q.ndim != 2 or q.shape[1] != snap.vectors.shape[1]:
+        raise InvalidInput(f"queries must be [n, {snap.vectors.shape[1]}], got {list(q.shape)}")
+    if not np.isfinite(q).all():
+        raise InvalidInput("queries contain NaN or infinite values")
+    return q
+
+
+def _hits(snap: _Snapshot, lists: list[Ranked]) -> list[list[Hit]]:
     import pyarrow as pa
 
-    flat = [int(r) for r in np.asarray(rows).ravel() if r >= 0]
+    flat = [r for ranked in lists for r in ranked.rows]
     records = snap.table.take(pa.array(flat, type=pa.int64())).to_pylist() if flat else []
     it = iter(records)
     out: list[list[Hit]] = []
-    for srow, rrow in zip(scores, rows, strict=True):
+    for ranked in lists:
         hits = []
-        for s, r in zip(srow, rrow, strict=True):
-            if r < 0:
-                continue  # FAISS pads with -1 when fewer than k results exist
+        for s, legs in zip(ranked.scores, ranked.legs, strict=True):
             rec = next(it)
             pid = str(rec.pop("id"))
-            hits.append(Hit(pid, float(s), {kk: str(v) for kk, v in rec.items() if v is not None and v != ""}))
+            hits.append(Hit(pid, s, {kk: str(v) for kk, v in rec.items() if v is not None and v != ""}, legs))
         out.append(hits)
     return out
 
@@ -415,9 +505,17 @@ def _load(path: Path, *, nprobe: int | None, ef_search: int | None, use_gpu: boo
         _ivf(index).nprobe = nprobe or int(manifest["index"].get("nprobe", 16))
     elif kind == "hnsw":
         index.hnsw.efSearch = ef_search or int(manifest["index"].get("ef_search", 64))
+    lexical = None
+    if "lexical" in manifest:
+        from catalog.lexical import LexicalIndex
+
+        lexical = LexicalIndex.open(path, manifest["lexical"])
+        if lexical.docs != table.num_rows:
+            raise ModelError(f"index version {path.name} is inconsistent: lexical index {lexical.docs} "
+                             f"documents, products {table.num_rows}")
     on_gpu = False
     if use_gpu and hasattr(faiss, "get_num_gpus") and faiss.get_num_gpus() > 0 and kind != "hnsw":
         # Same interface on the GPU; HNSW has no GPU version in FAISS, so it stays on the CPU.
         index = faiss.index_cpu_to_all_gpus(index)
         on_gpu = True
-    return _Snapshot(path, manifest, index, vectors, table, on_gpu)
+    return _Snapshot(path, manifest, index, vectors, table, on_gpu, lexical)

@@ -5,8 +5,9 @@
 (b) known-item queries: a contiguous fragment (~60% of the words) of a held-out product title is
     the query, that product (and any product with the identical title) is relevant.
 recall@10 is capped (hits / min(|relevant|, 10)) so an aisle with 500 products can reach 1.0;
-nDCG@10 uses binary gains. ANN recall@10 compares an approximate index with exact search on the
-same real text queries.
+precision@10 is hits / 10 (a known item has one relevant product: at most 0.1); nDCG@10 uses
+binary gains. ANN recall@10 compares an approximate index with exact search on the same real text
+queries. Prefixes of these queries, searched by mode: catalog/prefix_quality.py.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Score:
     recall_at_10: float
     ndcg_at_10: float
     queries: int
+    precision_at_10: float = 0.0
 
 
 def aisle_queries(products: Sequence[Product]) -> QuerySet:
@@ -78,19 +80,23 @@ def known_item_queries(products: Sequence[Product], n: int, *, seed: int = 0) ->
     return QuerySet("known-item", queries, relevant)
 
 
-def score(ranked: npt.NDArray[np.int64], relevant: Sequence[set[int]], k: int = K) -> Score:
+def score(ranked: npt.NDArray[np.int64] | Sequence[Sequence[int]], relevant: Sequence[set[int]],
+          k: int = K) -> Score:
+    """Mean metrics of ranked rows (one list per query, best first; a list may be short or empty)."""
     if len(relevant) == 0:
         raise InvalidInput("no queries to score")
-    recalls, ndcgs = [], []
+    recalls, ndcgs, precisions = [], [], []
     for row, rel in zip(ranked, relevant, strict=True):
         top = [int(r) for r in row[:k]]
         gains = [1.0 if r in rel else 0.0 for r in top]
         ideal = min(len(rel), k)
         recalls.append(sum(gains) / ideal)
+        precisions.append(sum(gains) / k)
         dcg = sum(g / math.log2(i + 2) for i, g in enumerate(gains))
         idcg = sum(1.0 / math.log2(i + 2) for i in range(ideal))
         ndcgs.append(dcg / idcg)
-    return Score(round(float(np.mean(recalls)), 4), round(float(np.mean(ndcgs)), 4), len(relevant))
+    return Score(round(float(np.mean(recalls)), 4), round(float(np.mean(ndcgs)), 4), len(relevant),
+                 round(float(np.mean(precisions)), 4))
 
 
 async def embed_all(embedder: Embedder, texts: Sequence[str], batch: int) -> npt.NDArray[np.float32]:

@@ -1,4 +1,4 @@
-"""The catalog section (the batch job and the FAISS index) and the catalog layer's `Settings`."""
+"""The catalog section (batch job, FAISS and lexical indexes, hybrid fusion) and the catalog layer's `Settings`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ class CatalogSettings:
     hnsw_ef_construction: int = setting(80, "HNSW build breadth (slow on CPU: ~6 min for 200k items on 2 cores).")
     chunk_items: int = setting(4096, "Batch job checkpoint granularity: items per chunk file.")
     use_gpu: bool = setting(True, "Move the index to the GPU when faiss has GPUs.")
+    # Hybrid fusion (catalog/fusion.py, Fusion): the defaults are what measured best on the prefix sets.
+    rrf_k: float = setting(10.0, "Hybrid Search: reciprocal rank fusion constant (a hit scores sum of w / (k + rank)).")
+    fusion_depth: int = setting(50, "Hybrid Search: candidates read from each leg (semantic, lexical) before fusing.")
+    fusion_complete_weight: float = setting(
+        8.0, "Hybrid Search: lexical leg weight when ordering the products that match every typed word (ranked first).")
+    fusion_partial_weight: float = setting(
+        0.25, "Hybrid Search: lexical leg weight when no product matches every typed word (the semantic leg leads).")
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,8 @@
 
 Layout under an index root:
     v-<UTC timestamp>-<rand>/   one complete version: manifest.json, index.faiss, embeddings.npy,
-                                products.parquet (row i of each belongs to vector i)
+                                products.parquet (row i of each belongs to vector i), lexical/
+                                (tantivy, documents keyed by row; absent in older versions)
     .tmp-*/                     versions being written (never read)
     .work/ .shards/             batch-job checkpoints and shard outputs
 

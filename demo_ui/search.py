@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from catalog.fusion import SearchMode
+
 if TYPE_CHECKING:
     from sidecar.client import AsyncClient
 
 # Sidecar stages the page draws as bar segments (the sidecar's own `total` is kept separately).
-STAGES: tuple[str, ...] = ("cache", "tokenize", "queue", "inference", "search")
+STAGES: tuple[str, ...] = ("cache", "tokenize", "queue", "inference", "search", "lexical")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,10 +24,11 @@ class Product:
     aisle: str
     department: str
     score: float
+    legs: tuple[str, ...] = ()  # which search leg(s) found it: "semantic", "lexical"
 
-    def to_json(self) -> dict[str, str | float]:
+    def to_json(self) -> dict[str, str | float | list[str]]:
         return {"title": self.title, "aisle": self.aisle, "department": self.department,
-                "score": round(self.score, 4)}
+                "score": round(self.score, 4), "legs": list(self.legs)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +41,7 @@ class SearchOutcome:
 
 
 class SearchFn(Protocol):
-    async def __call__(self, text: str, *, k: int, timeout_s: float) -> SearchOutcome:
+    async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchOutcome:
         """Best `k` products for one query. Raises inference.errors types only."""
         ...
 
@@ -49,12 +52,12 @@ class SidecarSearch:
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
-    async def __call__(self, text: str, *, k: int, timeout_s: float) -> SearchOutcome:
-        res = await self._client.search([text], k=k, timeout_s=timeout_s)
+    async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchOutcome:
+        res = await self._client.search([text], k=k, mode=mode, timeout_s=timeout_s)
         hits = res.hits[0] if res.hits else []
         products = [
             Product(title=h.fields.get("title", h.id), aisle=h.fields.get("aisle", ""),
-                    department=h.fields.get("department", ""), score=float(h.score))
+                    department=h.fields.get("department", ""), score=float(h.score), legs=h.legs)
             for h in hits
         ]
         return SearchOutcome(

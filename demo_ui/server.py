@@ -1,9 +1,11 @@
 """The demo web server: the typeahead page and its websocket.
 
 Protocol (JSON text frames):
-  page -> server  {"seq": int >= 0, "text": str, "k"?: int}
-  server -> page  {"seq", "text", "results": [{"title","aisle","department","score"}],
+  page -> server  {"seq": int >= 0, "text": str, "k"?: int, "mode"?: "semantic" | "lexical" | "hybrid"}
+  server -> page  {"seq", "text", "mode", "results": [{"title","aisle","department","score","legs"}],
                    "timings_ns": {sidecar stages}, "server_ms": float, "cache_hit": bool}
+A keystroke without a mode is searched in demo.search_mode (hybrid); `legs` says which search
+leg(s) found each product (["semantic"], ["lexical"] or both).
                   {"seq", "dropped": "superseded" | "stale"}      (never computed)
                   {"seq": int | null, "error": {"code", "message"}}
 Each connection has one search worker fed through a latest-wins slot: a keystroke that arrives
@@ -33,6 +35,7 @@ from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
+from catalog.fusion import SearchMode, parse_mode
 from demo_ui.ratecap import RateCap
 from demo_ui.search import SearchFn
 from demo_ui.settings import DemoSettings
@@ -56,9 +59,11 @@ class Keystroke:
     text: str
     k: int
     received_ns: int
+    mode: SearchMode = SearchMode.HYBRID
 
 
-def parse_message(raw: str, *, max_query_chars: int, default_k: int) -> Keystroke:
+def parse_message(raw: str, *, max_query_chars: int, default_k: int,
+                  default_mode: SearchMode | str = SearchMode.HYBRID) -> Keystroke:
     """One websocket frame -> Keystroke, or InvalidInput saying what is wrong with it."""
     try:
         msg = json.loads(raw)
@@ -76,7 +81,10 @@ def parse_message(raw: str, *, max_query_chars: int, default_k: int) -> Keystrok
     check_unicode(text, "text")  # a "\ud800" escape cannot go on to the sidecar
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
         raise InvalidInput(f"k must be an integer in 1..{MAX_K}")
-    return Keystroke(seq=seq, text=text.strip(), k=k, received_ns=time.perf_counter_ns())
+    mode = msg.get("mode", default_mode)
+    if not isinstance(mode, str):
+        raise InvalidInput("mode must be \"semantic\", \"lexical\" or \"hybrid\"")
+    return Keystroke(seq=seq, text=text.strip(), k=k, received_ns=time.perf_counter_ns(), mode=parse_mode(mode))
 
 
 def _error(seq: int | None, exc: EmbedcarError) -> dict[str, Any]:
@@ -140,7 +148,8 @@ class Connection:
                     f"more than {s.max_messages_per_s:g} messages/s on this connection")))
                 continue
             try:
-                key = parse_message(raw, max_query_chars=s.max_query_chars, default_k=s.results)
+                key = parse_message(raw, max_query_chars=s.max_query_chars, default_k=s.results,
+                                    default_mode=s.search_mode)
             except InvalidInput as exc:
                 await self.send(_error(_seq_of(raw), exc))
                 continue
@@ -177,12 +186,13 @@ class Connection:
             timings: dict[str, int] = {}
             cache_hit = False
         else:
-            out = await self.search(key.text, k=key.k, timeout_s=self.settings.search_timeout_s)
+            out = await self.search(key.text, k=key.k, timeout_s=self.settings.search_timeout_s, mode=key.mode)
             results = [p.to_json() for p in out.products]
             timings, cache_hit = out.timings_ns, out.cache_hit
         return {
             "seq": key.seq,
             "text": key.text,
+            "mode": key.mode.value,
             "results": results,
             "timings_ns": timings,
             "server_ms": (time.perf_counter_ns() - key.received_ns) / 1e6,
@@ -212,9 +222,11 @@ def create_app(settings: DemoSettings, search: SearchFn, *, info: dict[str, str]
                keys: KeyRing | None = None) -> FastAPI:
     """The page, its static files, `/config` for the page's defaults, `/health`, and `/ws` (which
     needs one of `keys` when that ring is not empty)."""
+    parse_mode(settings.search_mode)  # a mistyped EMBEDCAR_DEMO_SEARCH_MODE fails here, not on every keystroke
     app = FastAPI(title="embedcar typeahead demo", docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-    page_config = {"budget_ms": settings.budget_ms, "results": settings.results, **(info or {})}
+    page_config = {"budget_ms": settings.budget_ms, "results": settings.results, "mode": settings.search_mode,
+                   **(info or {})}
 
     @app.get("/", include_in_schema=False)
     async def index() -> FileResponse:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from catalog.fusion import SearchMode
 from inference.settings import setting
 from sidecar import settings as sidecar
 
@@ -18,6 +19,9 @@ class DemoSettings:
     max_query_chars: int = setting(200, "Longest query text searched; longer gets an error message.")
     results: int = setting(10, "Products shown per keystroke.")
     search_timeout_s: float = setting(2.0, "Deadline of one Search call to the sidecar.")
+    search_mode: str = setting(
+        SearchMode.HYBRID.value, "The page's default Search mode (the page can switch): hybrid fuses the semantic "
+        "and the lexical prefix search.", choices=tuple(m.value for m in SearchMode))
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,8 @@
 
     with Client("127.0.0.1:50051", api_key=...) as c:
         r = c.embed(["oat milk"])          # r.embeddings: [1, 384] float32
-        s = c.search(["oat milk"], k=5)    # s.hits[0][0].id, .score, .fields
+        s = c.search(["oat milk"], k=5)    # s.hits[0][0].id, .score, .fields, .legs
+        t = c.search(["oat mi"], mode="hybrid")  # FAISS + lexical prefix search, fused
 
 A target is anything grpc dials: `host:port`, or `unix:/abs/path` (also `unix:///abs/path`) for the
 sidecar's Unix socket (sidecar.uds_path) for same-host callers.
@@ -20,6 +21,7 @@ from typing import Any, Self
 import grpc
 import numpy as np
 
+from catalog.fusion import SearchMode, parse_mode
 from catalog.index import Hit
 from inference.backends.base import Embeddings
 from inference.errors import EmbedcarError
@@ -66,7 +68,7 @@ def decode_embed(reply: pb.EmbedReply) -> EmbedResult:
 
 
 def decode_search(reply: pb.SearchReply) -> SearchResult:
-    hits = [[Hit(h.id, float(h.score), dict(h.fields)) for h in hl.hits] for hl in reply.results]
+    hits = [[Hit(h.id, float(h.score), dict(h.fields), tuple(h.legs)) for h in hl.hits] for hl in reply.results]
     return SearchResult(hits, reply.model, reply.index_version, list(reply.cache_hits), _timings(reply.timings),
                         reply.backend)
 
@@ -75,8 +77,10 @@ def embed_request(texts: Sequence[str], float16: bool) -> pb.EmbedRequest:
     return pb.EmbedRequest(texts=list(texts), float16=float16)
 
 
-def search_request(texts: Sequence[str], k: int, department: str | None, aisle: str | None) -> pb.SearchRequest:
-    return pb.SearchRequest(texts=list(texts), k=k, department=department or "", aisle=aisle or "")
+def search_request(texts: Sequence[str], k: int, department: str | None, aisle: str | None,
+                   mode: SearchMode | str = SearchMode.SEMANTIC) -> pb.SearchRequest:
+    return pb.SearchRequest(texts=list(texts), k=k, department=department or "", aisle=aisle or "",
+                            mode=parse_mode(mode).name)  # the enum label, e.g. "HYBRID"
 
 
 def map_rpc_error(exc: grpc.RpcError) -> EmbedcarError:
@@ -129,9 +133,10 @@ class AsyncClient(_Calls):
         return decode_embed(reply)
 
     async def search(self, texts: Sequence[str], *, k: int = 10, department: str | None = None,
-                     aisle: str | None = None, timeout_s: float | None = None) -> SearchResult:
+                     aisle: str | None = None, mode: SearchMode | str = SearchMode.SEMANTIC,
+                     timeout_s: float | None = None) -> SearchResult:
         with RPC_ERRORS:
-            reply = await self._stub.Search(search_request(texts, k, department, aisle), timeout=timeout_s,
+            reply = await self._stub.Search(search_request(texts, k, department, aisle, mode), timeout=timeout_s,
                                             metadata=self._metadata)
         return decode_search(reply)
 
@@ -156,9 +161,10 @@ class Client(_Calls):
         return decode_embed(reply)
 
     def search(self, texts: Sequence[str], *, k: int = 10, department: str | None = None,
-               aisle: str | None = None, timeout_s: float | None = None) -> SearchResult:
+               aisle: str | None = None, mode: SearchMode | str = SearchMode.SEMANTIC,
+               timeout_s: float | None = None) -> SearchResult:
         with RPC_ERRORS:
-            reply = self._stub.Search(search_request(texts, k, department, aisle), timeout=timeout_s,
+            reply = self._stub.Search(search_request(texts, k, department, aisle, mode), timeout=timeout_s,
                                       metadata=self._metadata)
         return decode_search(reply)
 

@@ -121,10 +121,14 @@ class EmbedderServicer:
     async def search(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         try:
             req: pb.SearchRequest = _parse(pb.SearchRequest, raw)
+            try:  # proto3 enums are open: an unknown number parses, and is refused here
+                mode = pb.SearchMode.Name(req.mode)
+            except ValueError:
+                raise InvalidInput(f"unknown search mode {req.mode}") from None
             out = await self.service.search(req.texts, k=req.k, department=req.department, aisle=req.aisle,
-                                            api_key=_api_key(context), deadline=_deadline(context))
+                                            mode=mode, api_key=_api_key(context), deadline=_deadline(context))
             reply = pb.SearchReply(
-                results=[pb.HitList(hits=[pb.Hit(id=h.id, score=h.score, fields=h.fields) for h in hits])
+                results=[pb.HitList(hits=[pb.Hit(id=h.id, score=h.score, fields=h.fields, legs=h.legs) for h in hits])
                          for hits in out.hits],
                 model=self.service.model, index_version=out.index_version, cache_hits=out.cache_hits,
                 timings=pb.Timings(**out.timings_ns), backend=out.backend)

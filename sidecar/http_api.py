@@ -1,9 +1,9 @@
-"""HTTP facade (FastAPI): OpenAI-compatible POST /v1/embeddings, GET /health, GET /metrics.
+"""HTTP facade (FastAPI): OpenAI-compatible POST /v1/embeddings, POST /v1/search, GET /health, GET /metrics.
 
 Bodies are read and checked by hand (size cap, UTF-8, JSON types and depth, unknown fields) so every
 bad request gets a 4xx with a message that says what was wrong.
 
-With API keys set, /v1/embeddings and /metrics need one (`Authorization: Bearer <key>` or
+With API keys set, /v1/embeddings, /v1/search and /metrics need one (`Authorization: Bearer <key>` or
 `x-api-key`; Prometheus sends the former with `authorization: {credentials: ...}`): the metrics name
 tenants and traffic. /health stays open for load balancers: it says only whether it serves, and the model.
 """
@@ -14,6 +14,7 @@ import base64
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
+from catalog.fusion import SearchMode, parse_mode
 from inference.errors import EmbedcarError, Internal, InvalidInput, PayloadTooLarge, Unauthenticated
 from sidecar.errors import http_status
 from sidecar.metrics import Metrics
@@ -29,6 +31,7 @@ from sidecar.service import EmbedService
 log = logging.getLogger(__name__)
 
 ALLOWED_FIELDS = frozenset({"input", "model", "encoding_format", "user"})
+SEARCH_FIELDS = frozenset({"input", "k", "department", "aisle", "mode"})
 
 
 def _error(exc: EmbedcarError) -> JSONResponse:
@@ -99,6 +102,61 @@ def parse_embeddings_request(body: bytes) -> tuple[list[str], str]:
     return texts, fmt
 
 
+@dataclass(frozen=True, slots=True)
+class SearchBody:
+    texts: list[str]
+    k: int
+    department: str | None
+    aisle: str | None
+    mode: SearchMode
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"request body is not valid UTF-8 (byte {exc.start})") from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"request body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+    except RecursionError as exc:
+        raise InvalidInput("request body is not JSON we accept: nested too deeply") from exc
+    except ValueError as exc:
+        raise InvalidInput(f"request body is not JSON we accept: {str(exc).split(':')[0]}") from exc
+    if not isinstance(doc, dict):
+        raise InvalidInput(f"request body must be a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+def parse_search_request(body: bytes) -> SearchBody:
+    """`{"input": str | [str], "k"?, "department"?, "aisle"?, "mode"?: "semantic" | "lexical" | "hybrid"}`,
+    or InvalidInput saying what is wrong; mode defaults to semantic, as in gRPC."""
+    doc = _json_object(body)
+    unknown = sorted(set(doc) - SEARCH_FIELDS)
+    if unknown:
+        shown = ", ".join(repr(name[:40]) for name in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+        raise InvalidInput(f"unknown fields: {shown} (allowed: {', '.join(sorted(SEARCH_FIELDS))})")
+    raw = doc.get("input")
+    if isinstance(raw, str):
+        texts = [raw]
+    elif isinstance(raw, list) and all(isinstance(t, str) for t in raw):
+        texts = raw
+    else:
+        raise InvalidInput("`input` must be a string or a list of strings")
+    k = doc.get("k", 10)
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise InvalidInput("`k` must be an integer")
+    filters: list[str | None] = []
+    for name in ("department", "aisle"):
+        value = doc.get(name)
+        if value is not None and not isinstance(value, str):
+            raise InvalidInput(f"`{name}` must be a string")
+        filters.append(value or None)
+    mode = doc.get("mode", SearchMode.SEMANTIC.value)
+    if not isinstance(mode, str):
+        raise InvalidInput("`mode` must be \"semantic\", \"lexical\" or \"hybrid\"")
+    return SearchBody(texts, k, filters[0], filters[1], parse_mode(mode))
+
+
 def _api_key(request: Request) -> str | None:
     key = request.headers.get("x-api-key")
     if key:
@@ -137,6 +195,30 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
         headers = {"x-embedcar-backend": out.backend} if out.backend else None  # who computed the misses
         return JSONResponse({"object": "list", "data": data, "model": service.model,
                              "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}, headers=headers)
+
+    @app.post("/v1/search")
+    async def search(request: Request) -> Response:
+        try:
+            q = parse_search_request(await _read_body(request, max_body_bytes))
+            out = await service.search(q.texts, k=q.k, department=q.department, aisle=q.aisle, mode=q.mode,
+                                       api_key=_api_key(request))
+        except EmbedcarError as exc:
+            metrics.requests.labels("http_search", exc.code).inc()
+            return _error(exc)
+        except ClientDisconnect:
+            return Response(status_code=400)
+        except Exception as exc:
+            log.exception("POST /v1/search failed")
+            metrics.requests.labels("http_search", Internal.code).inc()
+            return _error(Internal(f"unexpected error: {type(exc).__name__}"))
+        metrics.requests.labels("http_search", "ok").inc()
+        metrics.observe_timings("search", out.timings_ns)
+        data = [{"index": i, "cache_hit": hit, "hits": [
+                    {"id": h.id, "score": h.score, "fields": h.fields, "legs": list(h.legs)} for h in hits]}
+                for i, (hits, hit) in enumerate(zip(out.hits, out.cache_hits, strict=True))]
+        headers = {"x-embedcar-backend": out.backend} if out.backend else None
+        return JSONResponse({"object": "list", "data": data, "model": service.model, "mode": q.mode.value,
+                             "index_version": out.index_version, "timings_ns": out.timings_ns}, headers=headers)
 
     @app.get("/health")
     async def health() -> Response:

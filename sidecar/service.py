@@ -1,9 +1,10 @@
 """The sidecar's two RPCs, independent of gRPC and HTTP: Embed and Search.
 
-    auth + rate limit -> the embedding pipeline (sidecar.pipeline) -> [Search: FAISS] -> outcome
+    auth + rate limit -> the embedding pipeline (sidecar.pipeline) -> [Search: FAISS | tantivy | both fused]
+    -> outcome
 
 Everything between the texts and their embeddings is the pipeline's; this module adds who may
-call, the default deadline, and the product index.
+call, the default deadline, and the product index. A LEXICAL search embeds nothing.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
+from catalog.fusion import SearchMode, parse_mode
 from inference.backends.base import Embeddings
 from inference.errors import FailedPrecondition, InvalidInput, Overloaded, Unauthenticated
 from sidecar.auth import KeyRing
@@ -88,12 +90,13 @@ class EmbedService:
         return EmbedOutcome(out.embeddings, out.cache_hits, out.truncated, out.tokens, tm.as_dict(), out.backend)
 
     async def search(self, texts: Sequence[object], *, k: int = 10, department: str | None = None,
-                     aisle: str | None = None, api_key: str | None = None,
-                     deadline: float | None = None) -> SearchOutcome:
+                     aisle: str | None = None, mode: SearchMode | str = SearchMode.SEMANTIC,
+                     api_key: str | None = None, deadline: float | None = None) -> SearchOutcome:
         t0 = time.perf_counter_ns()
         tm = Timings()
         self.authenticate(api_key)
         tm.auth = time.perf_counter_ns() - t0
+        mode = parse_mode(mode)
         k = k or 10
         if not 1 <= k <= self.max_k:
             raise InvalidInput(f"k must be between 1 and {self.max_k}, got {k}")
@@ -104,10 +107,20 @@ class EmbedService:
             # while the configured index may still appear (see IndexHolder.missing).
             raise (holder.missing() if holder is not None
                    else FailedPrecondition("no product index loaded: this sidecar has no index_dir"))
-        emb = await self.pipeline.run(texts, self._deadline(deadline), tm)
+        if mode == SearchMode.LEXICAL:
+            t1 = time.perf_counter_ns()
+            clean = self.pipeline.validate(texts)  # the same texts are refused as by the other modes
+            tm.cache = time.perf_counter_ns() - t1
+            vectors, cache_hits, backend = None, [False] * len(clean), ""
+        else:
+            emb = await self.pipeline.run(texts, self._deadline(deadline), tm)
+            clean = cast(list[str], list(texts))  # the pipeline has checked they are strings
+            vectors, cache_hits, backend = emb.embeddings, emb.cache_hits, emb.backend
         t2 = time.perf_counter_ns()
-        hits = await holder.search(index, emb.embeddings, k, department=department or None, aisle=aisle or None)
+        hits, ranking = await holder.query(index, clean, vectors, k, mode=mode, department=department or None,
+                                           aisle=aisle or None)
         t3 = time.perf_counter_ns()
-        tm.search = t3 - t2
+        tm.lexical = ranking.lexical_ns
+        tm.search = t3 - t2 - ranking.lexical_ns  # the FAISS leg, fusion, the hits' fields and the thread hop
         tm.total = t3 - t0
-        return SearchOutcome(hits, str(index.version), emb.cache_hits, tm.as_dict(), emb.backend)
+        return SearchOutcome(hits, str(index.version), cache_hits, tm.as_dict(), backend)

@@ -14,7 +14,8 @@ class Timings:
     tokenize: int = 0  # encode + bucket/split + admission
     queue: int = 0  # waiting for the scheduler (micro-batcher queue)
     inference: int = 0  # the backend call(s), padding and pooling included
-    search: int = 0  # FAISS (Search only)
+    search: int = 0  # Search: the FAISS leg, fusion and fetching the hits' fields
+    lexical: int = 0  # Search: the lexical (tantivy) leg
     total: int = 0
 
     def as_dict(self) -> dict[str, int]:

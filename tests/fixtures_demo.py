@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from catalog.fusion import SearchMode
 from demo_ui.search import Product as FoundProduct
 from demo_ui.search import SearchFn, SearchOutcome
 from demo_ui.server import build_server, create_app
@@ -62,16 +63,20 @@ class InProcessSearch:
     products: list[dict[str, str]]  # fields of each product
     vectors: npt.NDArray[np.float32]
     calls: int = 0
+    modes: list[SearchMode] = field(default_factory=list)
 
-    async def __call__(self, text: str, *, k: int, timeout_s: float) -> SearchOutcome:
+    async def __call__(self, text: str, *, k: int, timeout_s: float,
+                       mode: SearchMode = SearchMode.SEMANTIC) -> SearchOutcome:
         self.calls += 1
+        self.modes.append(mode)  # searched semantically whatever the mode: the page logic is under test
         emb = await self.embedder.embed([text])
         t0 = time.perf_counter_ns()
         scores = self.vectors @ emb.embeddings[0]
         top = np.argsort(-scores)[:k]
         t1 = time.perf_counter_ns()
         found = [FoundProduct(title=self.products[i]["title"], aisle=self.products[i].get("aisle", ""),
-                         department=self.products[i].get("department", ""), score=float(scores[i]))
+                         department=self.products[i].get("department", ""), score=float(scores[i]),
+                         legs=("semantic",))
                  for i in top]
         timings = {"tokenize": emb.timings_ns["tokenize"], "inference": emb.timings_ns["inference"],
                    "search": t1 - t0, "cache": 0, "queue": 0}
@@ -87,11 +92,11 @@ class GatedSearch:
     entered: asyncio.Event
     texts: list[str]
 
-    async def __call__(self, text: str, *, k: int, timeout_s: float) -> SearchOutcome:
+    async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchOutcome:
         self.texts.append(text)
         self.entered.set()
         await self.gate.wait()
-        return await self.inner(text, k=k, timeout_s=timeout_s)
+        return await self.inner(text, k=k, timeout_s=timeout_s, mode=mode)
 
 
 @pytest.fixture(scope="session")
@@ -180,11 +185,11 @@ def sidecar_search_fn(target: str) -> SearchFn:
         def __init__(self) -> None:
             self.inner: SidecarSearch | None = None
 
-        async def __call__(self, text: str, *, k: int, timeout_s: float) -> SearchOutcome:
+        async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchOutcome:
             if self.inner is None:
                 client = AsyncClient(target)
                 await client.__aenter__()
                 self.inner = SidecarSearch(client)
-            return await self.inner(text, k=k, timeout_s=timeout_s)
+            return await self.inner(text, k=k, timeout_s=timeout_s, mode=mode)
 
     return _Lazy()

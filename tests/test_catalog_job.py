@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from catalog import store
+from catalog.fusion import SearchMode
 from catalog.index import ProductIndex
 from catalog.job import BuildSummary, build, ensure_index, merge
 from catalog.shards import select_shard
@@ -55,6 +56,36 @@ def test_build_then_search_finds_each_product_by_its_own_title(
     assert snacks and all(h.fields["department"] == "snacks" for h in snacks)
 
 
+def lexical_ids(root: Path, texts: list[str]) -> list[list[str]]:
+    hits, _ = ProductIndex.open(root, expected_model_id=None).query(texts, None, 5, mode=SearchMode.LEXICAL)
+    return [[h.id for h in row] for row in hits]
+
+
+PREFIXES = ["choc", "organic mi", "gr", "sparkling wat"]
+
+
+def test_the_job_writes_a_lexical_index_into_the_same_version(
+        grocery_build: BuildSummary, grocery_index_root: Path, grocery_slice: Loaded,
+        onnx_backend: OnnxBackend, embed_texts: Callable[[list[str]], np.ndarray]) -> None:
+    assert grocery_build.version_dir is not None
+    m = store.read_manifest(grocery_build.version_dir)
+    assert m["lexical"]["docs"] == grocery_build.items and (grocery_build.version_dir / m["lexical"]["dir"]).is_dir()
+    idx = ProductIndex.open(grocery_index_root, expected_model_id=onnx_backend.version_id)
+    assert idx.has_lexical
+    # A product's own title cut mid-word, as a shopper types it, finds that product in every mode but semantic.
+    titles = [p.fields["title"] for p in grocery_slice.products if len(p.fields["title"].split()) >= 3][:20]
+    typed = [t[: round(len(t) * 0.6)].rstrip() for t in titles]
+    lexical, _ = idx.query(typed, None, 10, mode=SearchMode.LEXICAL)
+    hybrid, ranking = idx.query(typed, embed_texts(typed), 10, mode=SearchMode.HYBRID)
+    for title, lex, hyb in zip(titles, lexical, hybrid, strict=True):
+        assert title in [h.fields["title"] for h in lex]
+        assert title in [h.fields["title"] for h in hyb]
+        assert next(h for h in hyb if h.fields["title"] == title).legs[-1] == "lexical"
+    assert ranking.semantic_ns > 0 and ranking.lexical_ns > 0
+    filtered, _ = idx.query(["ch"], embed_texts(["ch"]), 10, mode=SearchMode.HYBRID, department="snacks")
+    assert filtered[0] and all(h.fields["department"] == "snacks" for h in filtered[0])
+
+
 def test_resume_after_a_crash_equals_an_uninterrupted_run(
         settings: Settings, tmp_path: Path, onnx_backend: OnnxBackend, grocery_slice: Loaded,
         grocery_build: BuildSummary) -> None:
@@ -82,6 +113,7 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(
     ids_full = json.dumps(ProductIndex.open(grocery_build.version_dir.parent, expected_model_id=None)
                           .search(full[:5], 3), default=str)
     assert ids == ids_full
+    assert lexical_ids(s.catalog.index_root, PREFIXES) == lexical_ids(grocery_build.version_dir.parent, PREFIXES)
     assert not (s.catalog.index_root / ".work").exists() or not any((s.catalog.index_root / ".work").iterdir())
 
 
@@ -118,6 +150,8 @@ def test_shards_merge_to_the_same_index_as_one_run(
     b = ProductIndex.open(grocery_build.version_dir.parent, expected_model_id=onnx_backend.version_id)
     q = vectors(grocery_build.version_dir)[::50]
     assert [[h.id for h in r] for r in a.search(q, 5)] == [[h.id for h in r] for r in b.search(q, 5)]
+    assert store.read_manifest(merged.version_dir)["lexical"]["docs"] == len(grocery_slice.products)
+    assert lexical_ids(s.catalog.index_root, PREFIXES) == lexical_ids(grocery_build.version_dir.parent, PREFIXES)
 
 
 def test_merge_with_a_missing_shard_is_refused(settings: Settings, tmp_path: Path, onnx_backend: OnnxBackend,

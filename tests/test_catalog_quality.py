@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +22,9 @@ def test_recall_and_ndcg_arithmetic() -> None:
     # query 1: hit at rank 2 -> recall 1, nDCG 1/log2(3); query 2: 3 of min(4, 3) -> 1 and 1.
     assert s.recall_at_10 == pytest.approx(1.0)
     assert s.ndcg_at_10 == pytest.approx((1 / np.log2(3) + 1.0) / 2, abs=1e-4)
+    assert s.precision_at_10 == pytest.approx((1 / 3 + 1.0) / 2, abs=1e-4)
     assert score(np.array([[0, 0, 0]]), [{1}], k=3).recall_at_10 == 0.0
+    assert score([[1], []], [{1}, {2}], k=3).recall_at_10 == pytest.approx(0.5)  # short and empty lists
     with pytest.raises(InvalidInput):
         score(np.zeros((0, 3), np.int64), [])
 
@@ -57,3 +60,33 @@ def test_small_real_evaluation(settings: Settings, grocery_slice: Loaded) -> Non
     assert 0 <= result["ann"]["ivf"]["known-item"]["recall_vs_exact"] <= 1
     table = markdown([result])
     assert "| fp32 | mean | flat (exact) | known-item | 60 |" in table and "ivf nlist=" in table
+
+
+def test_prefix_cuts() -> None:
+    from catalog.prefix_quality import cut
+
+    assert [cut("greek yogurt", p) for p in (25, 50, 75, 100)] == ["gre", "greek", "greek yog", "greek yogurt"]
+    assert cut("a", 25) == "a"
+    with pytest.raises(InvalidInput):
+        cut("milk", 0)
+
+
+def test_prefix_evaluation_scores_the_three_modes_per_cut(settings: Settings, grocery_index_root: Path) -> None:
+    """On the small real index the test session builds (real model, real FAISS, real tantivy)."""
+    from catalog.prefix_quality import evaluate_prefixes, verdict
+    from catalog.prefix_quality import markdown as prefix_markdown
+
+    s = settings.with_section("catalog", index_root=grocery_index_root).with_section("model", intra_op_threads=2)
+    result = asyncio.run(evaluate_prefixes(s, known_items=40, cuts=(50, 100)))
+    assert set(result["sets"]) == {"aisle-name", "known-item"} and result["modes"] == ["semantic", "lexical", "hybrid"]
+    known = result["sets"]["known-item"]
+    assert set(known) == {"50", "100"} and known["100"]["lexical"]["queries"] == 40
+    assert known["100"]["lexical"]["recall_at_10"] > 0.8  # whole title fragments: their words are in the title
+    for per_cut in result["sets"].values():
+        for modes in per_cut.values():
+            for sc in modes.values():
+                assert 0 <= sc["precision_at_10"] <= sc["recall_at_10"] <= 1 and 0 <= sc["ndcg_at_10"] <= 1
+    assert result["precision_ceiling"]["known-item"] == pytest.approx(0.1, abs=0.02)
+    table = prefix_markdown(result)
+    assert "| known-item | 50 % | 40 |" in table and "nDCG@10 hybrid" in table
+    assert any(line.startswith("known-item recall@10: hybrid >= best single mode") for line in verdict(result))

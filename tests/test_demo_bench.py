@@ -22,7 +22,8 @@ async def test_bench_types_queries_and_times_every_answer(inprocess_search: InPr
     assert s["keystrokes_sent"] == sum(len(q) for q in queries)
     assert s["answered"] + s["superseded"] == s["keystrokes_sent"]
     assert s["lost"] == 0 and not s["errors"]
-    assert set(s["stages"]) == {"total", "network", "server", "cache", "tokenize", "queue", "inference", "search"}
+    assert set(s["stages"]) == {"total", "network", "server", "cache", "tokenize", "queue", "inference", "search",
+                                "lexical"}
     total = s["stages"]["total"]
     assert 0 < total["p50_ms"] <= total["p95_ms"] <= total["p99_ms"]
     assert "P95 per keystroke" in format_summary({**s}, 20.0)

@@ -1,8 +1,9 @@
 """The typeahead page in a real headless Chromium (Debian's), driven by Playwright.
 
 Types a query letter by letter and checks what a person would look at: results for the final
-query, a stacked budget bar with its budget line, the session's P95. Saves a screenshot to
-test-artifacts/demo.png.
+query, a stacked budget bar with its budget line (the lexical leg a segment of its own), the
+session's P95, and on each result which search leg(s) found it; then switches the mode. Saves a
+screenshot to test-artifacts/demo.png.
 """
 
 from __future__ import annotations
@@ -72,7 +73,25 @@ async def test_typing_shows_results_budget_bar_and_p95(page_search: tuple[Search
             answered = int(await page.locator("#count").inner_text())
             assert 1 <= answered <= len(QUERY)  # superseded keystrokes are never answered
             assert await page.locator("#total").inner_text() != "–"
+            # Hybrid by default: every result names the leg(s) that found it, and the lexical leg has its segment.
+            assert await page.locator("#mode").input_value() == "hybrid"
+            legs = await page.locator("#results li").evaluate_all(
+                "lis => lis.map(li => [...li.querySelectorAll('.legs .leg')].map(b => b.textContent))")
+            assert len(legs) == 10 and all(legs) and {leg for ls in legs for leg in ls} <= {"semantic", "lexical"}
+            assert "lexical" in legs[0]  # "greek yogurt" is in the top titles: the lexical leg found them
+            assert await page.locator('#segments .seg[data-stage="lexical"]').count() == 1
+            assert "lexical (tantivy)" in await page.locator("#legend").inner_text()
             assert not errors, errors
+
+            await page.select_option("#mode", "semantic")  # re-searches the same text semantically
+            await page.wait_for_function(
+                "[...document.querySelectorAll('#results li .leg')].every(b => b.textContent === 'semantic')"
+                " && document.querySelectorAll('#segments .seg[data-stage=\"lexical\"]').length === 0",
+                timeout=20_000)
+            await page.select_option("#mode", "hybrid")
+            await page.wait_for_function(
+                "[...document.querySelectorAll('#results li .leg')].some(b => b.textContent === 'lexical')",
+                timeout=20_000)
 
             ARTIFACTS.mkdir(exist_ok=True)
             await page.screenshot(path=str(ARTIFACTS / "demo.png"), full_page=True)

@@ -15,6 +15,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from catalog.fusion import SearchMode
 from demo_ui.search import SearchOutcome
 from demo_ui.server import parse_message
 from demo_ui.settings import DemoSettings
@@ -40,7 +41,8 @@ async def test_round_trip_returns_products_and_timings(inprocess_search: InProce
         assert reply["text"] == "greek yogurt"
         assert len(reply["results"]) == DemoSettings().results
         top = reply["results"][0]
-        assert set(top) == {"title", "aisle", "department", "score"}
+        assert set(top) == {"title", "aisle", "department", "score", "legs"} and top["legs"] == ["semantic"]
+        assert reply["mode"] == "hybrid"  # the page's default mode
         assert "yogurt" in top["title"].lower()
         assert top["aisle"] and top["department"]
         scores = [r["score"] for r in reply["results"]]
@@ -51,6 +53,14 @@ async def test_round_trip_returns_products_and_timings(inprocess_search: InProce
         k3 = json.loads(json.dumps({"seq": 2, "text": "bananas", "k": 3}))
         await ws.send(json.dumps(k3))
         assert len((await recv(ws))["results"]) == 3
+
+
+async def test_each_keystroke_is_searched_in_its_mode(inprocess_search: InProcessSearch) -> None:
+    async with running_demo(inprocess_search) as addr, connect(f"ws://{addr}/ws") as ws:
+        assert (await ask(ws, 1, "milk"))["mode"] == "hybrid"
+        await ws.send(json.dumps({"seq": 2, "text": "milk", "mode": "lexical"}))
+        assert (await recv(ws))["mode"] == "lexical"
+    assert inprocess_search.modes[-2:] == [SearchMode.HYBRID, SearchMode.LEXICAL]
 
 
 async def test_empty_text_answers_without_searching(inprocess_search: InProcessSearch) -> None:
@@ -96,6 +106,8 @@ async def test_older_sequence_numbers_are_ignored(inprocess_search: InProcessSea
         ('{"seq": 1}', 1, "text"),
         ('{"seq": 1, "text": "milk", "k": 0}', 1, "k must"),
         ('{"seq": 1, "text": "milk", "k": 1000}', 1, "k must"),
+        ('{"seq": 1, "text": "milk", "mode": "fuzzy"}', 1, "search mode"),
+        ('{"seq": 1, "text": "milk", "mode": 2}', 1, "mode must"),
         ('{"seq": 1, "text": "' + "x" * 300 + '"}', 1, "longer than"),
         ("[" * 1500 + "]" * 1500, None, "JSON"),
     ],
@@ -164,12 +176,12 @@ async def test_search_errors_become_error_messages(inprocess_search: InProcessSe
     class DownSearch:
         """The sidecar being unreachable, as SidecarSearch reports it."""
 
-        async def __call__(self, text: str, *, k: int, timeout_s: float) -> SearchOutcome:
+        async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchOutcome:
             if text == "down":
                 raise Unavailable("sidecar unreachable")
             if text == "bug":
                 raise ZeroDivisionError
-            return await inprocess_search(text, k=k, timeout_s=timeout_s)
+            return await inprocess_search(text, k=k, timeout_s=timeout_s, mode=mode)
 
     async with running_demo(DownSearch()) as addr, connect(f"ws://{addr}/ws") as ws:
         err = await ask(ws, 1, "down")
@@ -187,12 +199,17 @@ async def test_page_config_and_health(inprocess_search: InProcessSearch) -> None
         assert "http" not in page.text.replace("http-equiv", "")  # no CDN assets
         for asset in ("/static/app.js", "/static/style.css"):
             assert (await http.get(asset)).status_code == 200
-        assert (await http.get("/config")).json() == {"budget_ms": 12.5, "results": 10, "backend": "embedded"}
+        assert (await http.get("/config")).json() == {"budget_ms": 12.5, "results": 10, "mode": "hybrid",
+                                                      "backend": "embedded"}
         assert (await http.get("/health")).json() == {"status": "ok"}
 
 
 def test_parse_message_strips_and_defaults() -> None:
     key = parse_message('{"seq": 3, "text": " Milk ", "extra": 1}', max_query_chars=10, default_k=7)
-    assert (key.seq, key.text, key.k) == (3, "Milk", 7)
+    assert (key.seq, key.text, key.k, key.mode) == (3, "Milk", 7, SearchMode.HYBRID)
+    assert parse_message('{"seq": 1, "text": "x"}', max_query_chars=10, default_k=7,
+                         default_mode="semantic").mode == SearchMode.SEMANTIC
+    assert parse_message('{"seq": 1, "text": "x", "mode": "LEXICAL"}', max_query_chars=10,
+                         default_k=7).mode == SearchMode.LEXICAL
     with pytest.raises(InvalidInput):
         parse_message('{"seq": 1.5, "text": "x"}', max_query_chars=10, default_k=7)

@@ -32,13 +32,18 @@ async def test_websocket_round_trip_through_the_sidecar(sidecar_search_target: s
         top = first["results"][0]
         assert "yogurt" in top["title"].lower()
         assert top["aisle"] == "yogurt" and top["department"] == "dairy eggs"
-        assert {"cache", "tokenize", "queue", "inference", "search", "total"} <= set(first["timings_ns"])
+        assert {"cache", "tokenize", "queue", "inference", "search", "lexical", "total"} <= set(first["timings_ns"])
         assert first["timings_ns"]["inference"] > 0 and first["timings_ns"]["search"] > 0
+        assert first["mode"] == "hybrid" and first["timings_ns"]["lexical"] > 0  # the demo's default
+        assert "lexical" in top["legs"] and all(set(r["legs"]) <= {"semantic", "lexical"} for r in first["results"])
         assert first["server_ms"] * 1e6 >= first["timings_ns"]["total"]  # the sidecar is inside our time
         # The same query again (different case and spacing) is a sidecar cache hit, same products.
         again = await ask(ws, 2, "  greek yogurt STRAWBERRY")
         assert again["cache_hit"] is True
         assert [r["title"] for r in again["results"]] == [r["title"] for r in first["results"]]
+        await ws.send(json.dumps({"seq": 3, "text": "greek yog", "mode": "semantic"}))
+        semantic = json.loads(await asyncio.wait_for(ws.recv(), 30))
+        assert all(r["legs"] == ["semantic"] for r in semantic["results"]) and semantic["timings_ns"]["lexical"] == 0
 
 
 async def test_sidecar_down_is_an_error_message_not_a_crash(unused_tcp_port: int) -> None:

@@ -86,3 +86,15 @@ def test_auth_scenario_quick(settings: Settings, tmp_path: Path) -> None:
     result = auth.run(settings, tmp_path, quick=True)
     assert result.passed, result.to_json()
     assert len(result.figures["surfaces"]) >= 10
+
+
+def test_http_search_needs_the_key(keyed: tuple[Sidecar, str]) -> None:
+    import httpx
+
+    car, _ws = keyed
+    url = f"http://127.0.0.1:{car.http_port}/v1/search"
+    body = {"input": "choc", "mode": "lexical", "k": 3}
+    assert httpx.post(url, json=body, timeout=30).status_code == 401
+    assert httpx.post(url, json=body, headers={"authorization": f"Bearer {WRONG}"}, timeout=30).status_code == 401
+    ok = httpx.post(url, json=body, headers={"x-api-key": KEY}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["data"][0]["hits"]

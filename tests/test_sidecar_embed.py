@@ -63,7 +63,7 @@ def test_cached_answer_equals_uncached(sidecar_client: Client) -> None:
     assert np.array_equal(first.embeddings, variant.embeddings)
     assert second.timings_ns["inference"] == 0 and second.timings_ns["tokenize"] == 0
     assert first.timings_ns["inference"] > 0
-    assert set(first.timings_ns) == {"auth", "cache", "tokenize", "queue", "inference", "search", "total"}
+    assert set(first.timings_ns) == {"auth", "cache", "tokenize", "queue", "inference", "search", "lexical", "total"}
 
 
 def test_duplicates_in_one_request_and_float16(sidecar_client: Client) -> None:

@@ -10,8 +10,11 @@ const STAGES = [
   ["queue", "queue", "#ebcb8b"],
   ["inference", "inference", "#5e81ac"],
   ["search", "FAISS search", "#88c0d0"],
+  ["lexical", "lexical (tantivy)", "#a3be8c"],
 ];
-const SIDECAR_STAGES = ["cache", "tokenize", "queue", "inference", "search"];
+const SIDECAR_STAGES = ["cache", "tokenize", "queue", "inference", "search", "lexical"];
+// Which search leg found a hit: a badge per leg on each result.
+const LEGS = { semantic: ["semantic", "found by the embedding (FAISS)"], lexical: ["lexical", "found by the words / prefix (tantivy)"] };
 const STRIP_LEN = 50;
 
 const $ = (id) => document.getElementById(id);
@@ -55,7 +58,7 @@ function sendNow() {
   if (!state.ws || state.ws.readyState !== WebSocket.OPEN) return;
   state.seq += 1;
   state.sentAt.set(state.seq, performance.now());
-  state.ws.send(JSON.stringify({ seq: state.seq, text: $("q").value }));
+  state.ws.send(JSON.stringify({ seq: state.seq, text: $("q").value, mode: $("mode").value }));
 }
 
 function onInput() {
@@ -121,6 +124,17 @@ function renderResults(msg) {
     const meta = document.createElement("span");
     meta.className = "meta";
     meta.textContent = [r.aisle, r.department].filter(Boolean).join(" · ");
+    const legs = document.createElement("span");
+    legs.className = "legs";
+    for (const leg of r.legs || []) {
+      const b = document.createElement("span");
+      const [label, why] = LEGS[leg] || [leg, leg];
+      b.className = `leg leg-${leg}`;
+      b.textContent = label;
+      b.title = why;
+      legs.append(b);
+    }
+    meta.append(legs);
     const score = document.createElement("span");
     score.className = "score";
     score.textContent = r.score.toFixed(3);
@@ -197,6 +211,7 @@ async function loadConfig() {
   try {
     const cfg = await (await fetch("/config")).json();
     state.budget = Number(cfg.budget_ms) || state.budget;
+    if (cfg.mode) $("mode").value = cfg.mode;
     $("budget").value = String(state.budget);
     $("budget-shown").textContent = String(state.budget);
     const parts = [cfg.backend && `backend: ${cfg.backend}`, cfg.model && `model: ${cfg.model}`,
@@ -206,6 +221,7 @@ async function loadConfig() {
 }
 
 $("q").addEventListener("input", onInput);
+$("mode").addEventListener("change", () => { if ($("q").value) sendNow(); });
 $("budget").addEventListener("change", () => {
   const v = Number($("budget").value);
   if (v > 0) state.budget = v;

@@ -14,17 +14,27 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FLOAT32: _ClassVar[DType]
     FLOAT16: _ClassVar[DType]
+
+class SearchMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SEMANTIC: _ClassVar[SearchMode]
+    LEXICAL: _ClassVar[SearchMode]
+    HYBRID: _ClassVar[SearchMode]
 FLOAT32: DType
 FLOAT16: DType
+SEMANTIC: SearchMode
+LEXICAL: SearchMode
+HYBRID: SearchMode
 
 class Timings(_message.Message):
-    __slots__ = ("auth", "cache", "tokenize", "queue", "inference", "search", "total")
+    __slots__ = ("auth", "cache", "tokenize", "queue", "inference", "search", "lexical", "total")
     AUTH_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_FIELD_NUMBER: _ClassVar[int]
     SEARCH_FIELD_NUMBER: _ClassVar[int]
+    LEXICAL_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     auth: int
     cache: int
@@ -32,8 +42,9 @@ class Timings(_message.Message):
     queue: int
     inference: int
     search: int
+    lexical: int
     total: int
-    def __init__(self, auth: _Optional[int] = ..., cache: _Optional[int] = ..., tokenize: _Optional[int] = ..., queue: _Optional[int] = ..., inference: _Optional[int] = ..., search: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+    def __init__(self, auth: _Optional[int] = ..., cache: _Optional[int] = ..., tokenize: _Optional[int] = ..., queue: _Optional[int] = ..., inference: _Optional[int] = ..., search: _Optional[int] = ..., lexical: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("texts", "float16")
@@ -66,19 +77,21 @@ class EmbedReply(_message.Message):
     def __init__(self, embeddings: _Optional[bytes] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., model: _Optional[str] = ..., cache_hits: _Optional[_Iterable[bool]] = ..., truncated: _Optional[_Iterable[bool]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class SearchRequest(_message.Message):
-    __slots__ = ("texts", "k", "department", "aisle")
+    __slots__ = ("texts", "k", "department", "aisle", "mode")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     DEPARTMENT_FIELD_NUMBER: _ClassVar[int]
     AISLE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     k: int
     department: str
     aisle: str
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., department: _Optional[str] = ..., aisle: _Optional[str] = ...) -> None: ...
+    mode: SearchMode
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., department: _Optional[str] = ..., aisle: _Optional[str] = ..., mode: _Optional[_Union[SearchMode, str]] = ...) -> None: ...
 
 class Hit(_message.Message):
-    __slots__ = ("id", "score", "fields")
+    __slots__ = ("id", "score", "fields", "legs")
     class FieldsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -89,10 +102,12 @@ class Hit(_message.Message):
     ID_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
+    LEGS_FIELD_NUMBER: _ClassVar[int]
     id: str
     score: float
     fields: _containers.ScalarMap[str, str]
-    def __init__(self, id: _Optional[str] = ..., score: _Optional[float] = ..., fields: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    legs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., score: _Optional[float] = ..., fields: _Optional[_Mapping[str, str]] = ..., legs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HitList(_message.Message):
     __slots__ = ("hits",)
