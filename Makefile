@@ -9,7 +9,7 @@ MODEL := models/all-MiniLM-L6-v2/manifest.json
 # dependencies: we use only the binary, and its Python API pins numpy < 2.
 PYTRITON := nvidia-pytriton==0.7.0
 
-.PHONY: install model demo test faults lint lock clean browser
+.PHONY: install model demo test faults lint lock clean browser infinity
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,11 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
 	  || echo "chromium could not be installed: the browser test will be skipped"; }
+
+# Infinity (infinity-emb) in its own venv, for `embedcar bench serving` and `loadtest --target infinity`.
+# torch 2.13.0 first: a CPU wheel on local disk (any other pin downloads a multi-GB CUDA build).
+infinity:
+	$(PY) -m venv var/infinity-venv && var/infinity-venv/bin/pip install -q torch==2.13.0 && var/infinity-venv/bin/pip install -q 'infinity-emb[optimum,server]==0.0.78'
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

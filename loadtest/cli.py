@@ -4,6 +4,7 @@ Examples:
   embedcar loadtest --target sidecar-embed --sidecar 127.0.0.1:50051 --rate 100 --duration 300 --no-cache
   embedcar loadtest --start-stack --compare baseline,sidecar-embed:embedded,sidecar-embed:triton --no-cache
   embedcar loadtest --start-stack --target sidecar-embed:triton --sweep 50:300:25 --duration 30
+  embedcar loadtest --start-stack --compare inprocess,http:embedded,infinity --no-cache --duration 60
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def register(sub: Any) -> None:
     addr.add_argument("--http-url", default="http://127.0.0.1:8080", help="sidecar HTTP facade base URL")
     addr.add_argument("--triton-url", action="append", default=None, help="Triton gRPC address (repeatable)")
     addr.add_argument("--baseline-url", default="http://127.0.0.1:8090", help="baseline base URL")
+    addr.add_argument("--infinity-url", default="http://127.0.0.1:7997", help="Infinity base URL")
+    addr.add_argument("--infinity-model", default=None,
+                      help="Infinity's served model name (default <model>-<variant>, as --start-stack serves it)")
+    addr.add_argument("--infinity-exe", type=Path, default=None,
+                      help="Infinity's executable for --start-stack (default var/infinity-venv/bin/infinity_emb: "
+                           "`make infinity`)")
     addr.add_argument("--triton-stats-url", default=None,
                       help="Triton gRPC address to read per-model statistics from when testing the sidecar")
     addr.add_argument("--api-key-file", type=Path, default=None, help="file holding the sidecar API key")
@@ -113,6 +120,9 @@ def _remote_target(spec: TargetSpec, args: argparse.Namespace, settings: Setting
         return HttpEmbedTarget(args.baseline_url, name="baseline")
     if spec.target == "stub":
         return StubTarget()
+    if spec.target == "infinity":
+        served = args.infinity_model or f"{settings.model.name}-{settings.model.variant}"
+        return HttpEmbedTarget(args.infinity_url, name="infinity", path="/embeddings", model=served)
     if spec.target == "inprocess":
         return InProcessTarget(settings.model.model_dir, variant=settings.model.variant,
                                threads=settings.model.intra_op_threads)
@@ -143,7 +153,7 @@ def main(args: argparse.Namespace) -> int:
             f"{spec.label.replace(':', '-')}-{variant}-{args.rate:g}qps-{cache_tag}"
         with contextlib.ExitStack() as stack:
             target = (start_stack(spec, settings, stack, variant=variant, api_key=api_key, k=args.k,
-                                  index_dir=args.index_dir, log_dir=args.log_dir)
+                                  index_dir=args.index_dir, log_dir=args.log_dir, infinity_exe=args.infinity_exe)
                       if args.start_stack else _remote_target(spec, args, settings, api_key))
             if rates:
                 sname = f"{args.name or spec.label.replace(':', '-')}-{variant}-sweep-{cache_tag}"

@@ -2,8 +2,8 @@
 
 Each server runs in its own process, never on the load generator's event loop: tritonserver via
 inference.triton.launcher.TritonServer, the sidecar as `python -m inference.cli_main sidecar serve`
-configured through EMBEDCAR_* variables, the baseline via loadtest.baseline.BaselineServer. All bind
-127.0.0.1 on free ports.
+configured through EMBEDCAR_* variables, the baseline via loadtest.baseline.BaselineServer, Infinity
+via loadtest.infinity.InfinityServer (`make infinity`). All bind 127.0.0.1 on free ports.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class TargetSpec:
 
     @property
     def label(self) -> str:
-        if self.target in ("baseline", "triton", "inprocess", "stub"):
+        if self.target in ("baseline", "triton", "inprocess", "stub", "infinity"):
             return self.target
         return f"{self.target}:{self.backend}"
 
@@ -163,7 +163,7 @@ class SidecarProcess:
 
 def start_stack(spec: TargetSpec, settings: Settings, stack: contextlib.ExitStack, *, variant: str,
                 api_key: str | None = None, k: int = 10, index_dir: Path | None = None,
-                log_dir: Path | None = None) -> Target:
+                log_dir: Path | None = None, infinity_exe: Path | None = None) -> Target:
     """Start what `spec` needs (entered on `stack`, so leaving it stops everything) -> its target."""
     if spec.target == "stub":
         return StubTarget()
@@ -176,6 +176,12 @@ def start_stack(spec: TargetSpec, settings: Settings, stack: contextlib.ExitStac
         base = stack.enter_context(BaselineServer(model_dir, variant=variant, threads=settings.model.intra_op_threads,
                                                   log_file=logs / "baseline.log"))
         return HttpEmbedTarget(base.url, name="baseline")
+    if spec.target == "infinity":
+        from loadtest.infinity import DEFAULT_EXE, InfinityServer
+
+        inf = stack.enter_context(InfinityServer(model_dir, variant, exe=infinity_exe or DEFAULT_EXE,
+                                                 log_file=logs / f"infinity-{variant}.log"))
+        return HttpEmbedTarget(inf.url, name="infinity", path="/embeddings", model=inf.served_name)
     triton_url: str | None = None
     if spec.target == "triton" or spec.backend == "triton":
         from inference.triton.launcher import TritonServer

@@ -20,7 +20,8 @@ Timings = dict[str, int]
 
 # "inprocess": the embedded ORT backend inside the generator's process (no server, no network): the
 # floor any server adds to. "stub" answers after ~1 ms: a dry run of the generator itself.
-TARGETS = ("sidecar-embed", "sidecar-search", "http", "triton", "baseline", "inprocess", "stub")
+# "infinity": Infinity (infinity-emb, loadtest/infinity.py) serving the same ONNX file over HTTP.
+TARGETS = ("sidecar-embed", "sidecar-search", "http", "triton", "baseline", "inprocess", "stub", "infinity")
 
 
 class Target(ABC):
@@ -108,13 +109,20 @@ class SidecarSearchTarget(SidecarEmbedTarget):
 
 
 class HttpEmbedTarget(Target):
-    """An OpenAI-compatible POST /v1/embeddings (the sidecar's HTTP facade or the baseline)."""
+    """An OpenAI-compatible POST /v1/embeddings (the sidecar's HTTP facade or the baseline).
+
+    `path` and `model` drive other servers of that API: Infinity answers POST /embeddings and wants
+    the served model's name as the body's "model".
+    """
 
     name = "http"
 
     def __init__(self, base_url: str, *, api_key: str | None = None, name: str | None = None,
-                 triton_stats_url: str | None = None) -> None:
+                 triton_stats_url: str | None = None, path: str = "/v1/embeddings",
+                 model: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.path = path
+        self._body_model = model
         self._headers = {"x-api-key": api_key} if api_key else {}
         self._client: Any = None
         self._stats = TritonStats(triton_stats_url) if triton_stats_url else None
@@ -135,18 +143,21 @@ class HttpEmbedTarget(Target):
     async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
         import httpx
 
+        body: dict[str, Any] = {"input": texts}
+        if self._body_model:
+            body["model"] = self._body_model
         try:
-            r = await self._client.post("/v1/embeddings", json={"input": texts}, timeout=timeout_s)
+            r = await self._client.post(self.path, json=body, timeout=timeout_s)
         except httpx.TimeoutException as exc:
             raise DeadlineExceeded(f"no HTTP answer within {timeout_s:.3f} s") from exc
         except httpx.TransportError as exc:
             raise Unavailable(f"{self.base_url}: {exc}") from exc
         if r.status_code != 200:
             raise error_for_http(r.status_code)(f"HTTP {r.status_code}: {r.text[:200]}")
-        body = r.json()
-        self.model = str(body.get("model", ""))
-        if len(body.get("data", ())) != len(texts):
-            raise Internal(f"asked for {len(texts)} embeddings, got {len(body.get('data', ()))}")
+        answer = r.json()
+        self.model = str(answer.get("model", ""))
+        if len(answer.get("data", ())) != len(texts):
+            raise Internal(f"asked for {len(texts)} embeddings, got {len(answer.get('data', ()))}")
         return None
 
     async def close(self) -> None:
@@ -160,7 +171,8 @@ class HttpEmbedTarget(Target):
         return await self._stats.read() if self._stats is not None else None
 
     def describe(self) -> dict[str, Any]:
-        return {"target": self.name, "address": self.base_url, "model": self.model}
+        out = {"target": self.name, "address": self.base_url, "model": self.model}
+        return out if self.path == "/v1/embeddings" else out | {"path": self.path}
 
 
 class TritonTarget(Target):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from inference.backends.factory import make_backend
 from inference.embedder import load_tokenizer
 from inference.errors import EmbedcarError, InvalidInput, Unavailable
 from inference.manifest import load_manifest
+from inference.ports import listen_tcp
 from inference.tokenizer import TokenBatch
 from sidecar.admission import Admission
 from sidecar.auth import KeyRing, check_bind
@@ -117,7 +117,7 @@ class Sidecar:
         if backend.batches_itself:
             return DirectScheduler(backend, self.tokenizer, self.admission, self.metrics)
         return MicroBatcher(backend, self.tokenizer, max_items=s.max_rows_per_pass, wait_us=s.batch_wait_us,
-                            admission=self.admission, metrics=self.metrics, label=label)
+                            admission=self.admission, metrics=self.metrics, label=label, inline=s.inline_forward)
 
     def _fallback(self) -> Scheduler | None:
         """While Triton is down the sidecar still holds the model: answer with it rather than fail."""
@@ -217,12 +217,7 @@ class Sidecar:
         from sidecar.http_api import create_app
 
         app = create_app(self.service, self.metrics, max_body_bytes=max_bytes, serving=lambda: self.serving)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(512)
-        sock.setblocking(False)
+        sock = listen_tcp(host, port)
         self.http_port = int(sock.getsockname()[1])
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 limit_concurrency=None, timeout_graceful_shutdown=int(self.settings.sidecar.grace_s))

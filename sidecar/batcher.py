@@ -41,12 +41,15 @@ class _Item:
 class MicroBatcher(Scheduler):
     def __init__(self, backend: Backend, tokenizer: QueryTokenizer, *, max_items: int, wait_us: int,
                  admission: Admission | None = None, metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.monotonic, label: str | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, label: str | None = None,
+                 inline: bool = False) -> None:
         self.backend = backend
         self.label = label or backend.name  # what results say answered them
         self.tokenizer = tokenizer
         self.max_items = max(1, min(max_items, backend.max_batch))
         self.wait_s = max(wait_us, 0) * 1e-6
+        # Forward passes on the loop itself while nothing else is queued: no thread hop each way.
+        self.inline = inline and backend.runs_inline
         self._admission = admission  # learns each forward pass's cost
         self._metrics = metrics
         self._queues: dict[int, deque[_Item]] = {}
@@ -157,7 +160,10 @@ class MicroBatcher(Scheduler):
         rows = [seq for item in items for seq in item.ids]
         try:
             batch = self.tokenizer.batch(rows, length=bucket)
-            emb = await self.backend.embed(batch)
+            if self.inline and not any(self._queues.values()):
+                emb = self.backend.embed_sync(batch)  # blocks the loop: nothing is waiting for it
+            else:
+                emb = await self.backend.embed(batch)
         except EmbedcarError as exc:
             self._fail(items, exc)
             return

@@ -39,7 +39,12 @@ def register(sub: Any) -> None:
 def _serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     log.info("settings: %s", json.dumps(settings.describe()["sidecar"]))  # secrets redacted
-    asyncio.run(_serve_async(settings))
+    if settings.sidecar.event_loop == "uvloop":
+        import uvloop
+
+        uvloop.run(_serve_async(settings))
+    else:
+        asyncio.run(_serve_async(settings))
     return 0
 
 

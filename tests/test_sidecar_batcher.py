@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
 import pytest
 
+from inference.backends.base import Embeddings
 from inference.errors import DeadlineExceeded
-from inference.tokenizer import QueryTokenizer
+from inference.tokenizer import QueryTokenizer, TokenBatch
 from sidecar.batcher import MicroBatcher
 from tests.fixtures_sidecar import ProbeBackend
 
@@ -115,3 +117,50 @@ async def test_expired_item_is_dropped_before_the_backend(probe_backend: ProbeBa
         assert probe_backend.calls == 0
     finally:
         await b.close()
+
+
+class InlineProbe(ProbeBackend):
+    """The probe with the in-process model's inline path: records which thread computed."""
+
+    runs_inline = True
+
+    def __init__(self, inner: ProbeBackend) -> None:
+        super().__init__(inner.inner)
+        self.inline_threads: list[int] = []
+
+    def embed_sync(self, batch: TokenBatch) -> Embeddings:
+        self.inline_threads.append(threading.get_ident())
+        return self.inner.embed_sync(batch)
+
+
+async def test_inline_forward_runs_on_the_loop_only_when_nothing_else_waits(probe_backend: ProbeBackend,
+                                                                          tokenizer: QueryTokenizer) -> None:
+    backend = InlineProbe(probe_backend)
+    b = MicroBatcher(backend, tokenizer, max_items=4, wait_us=0, inline=True)
+    b.start()
+    try:
+        short = tokenizer.encode(["milk"]).ids
+        long = tokenizer.encode([" ".join(["bread"] * 40)]).ids
+        alone = await b.run(16, short, None)
+        assert backend.inline_threads == [threading.get_ident()] and backend.calls == 0
+        # Two buckets queued at once: the first pass leaves the loop free for the one behind it
+        # (the thread hop), the last one, with nothing left waiting, runs inline.
+        both = await asyncio.gather(b.run(16, short, None), b.run(64, long, None))
+        assert backend.calls == 1 and len(backend.inline_threads) == 2
+    finally:
+        await b.close()
+    want = await probe_backend.inner.embed(tokenizer.batch(short, length=16))
+    assert np.abs(alone.embeddings - want).max() < 1e-5
+    assert np.abs(both[0].embeddings - want).max() < 1e-5
+
+
+async def test_inline_is_off_for_a_backend_that_cannot_compute_in_the_callers_thread(
+        probe_backend: ProbeBackend, tokenizer: QueryTokenizer) -> None:
+    b = MicroBatcher(probe_backend, tokenizer, max_items=4, wait_us=0, inline=True)
+    assert not b.inline  # ProbeBackend keeps the base class's runs_inline = False
+    b.start()
+    try:
+        await b.run(16, tokenizer.encode(["milk"]).ids, None)
+    finally:
+        await b.close()
+    assert probe_backend.calls == 1

@@ -22,6 +22,9 @@ class Backend(ABC):
     version_id: str = ""
     dim: int = 0
     max_batch: int = 256
+    # True when `embed_sync` computes in the caller's thread (an in-process model): a scheduler
+    # may then run it on the event loop itself when nothing else waits, saving the thread hop.
+    runs_inline: bool = False
 
     @abstractmethod
     async def start(self) -> None:
@@ -30,6 +33,10 @@ class Backend(ABC):
     @abstractmethod
     async def embed(self, batch: TokenBatch, *, timeout_s: float | None = None) -> Embeddings:
         """[B, L] tokens -> [B, dim] L2-normalised float32. Raises project errors only."""
+
+    def embed_sync(self, batch: TokenBatch) -> Embeddings:
+        """`embed` computed in the calling thread; only where `runs_inline`."""
+        raise NotImplementedError(f"{self.name} cannot compute in the caller's thread")
 
     @abstractmethod
     def ready(self) -> bool:

@@ -38,6 +38,7 @@ def make_session(path: Path, threads: int, spinning: bool = True) -> Any:
 
 class OnnxBackend(Backend):
     name = "embedded"
+    runs_inline = True
 
     def __init__(self, model_dir: Path, manifest: Manifest, *, variant: str | None = None,
                  threads: int = 0, max_batch: int = 256, spinning: bool = True) -> None:

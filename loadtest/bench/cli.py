@@ -1,13 +1,25 @@
-"""`embedcar bench model|triton|sidecar|catalog|demo`: the benchmarks behind docs/benchmarks.md.
+"""`embedcar bench model|triton|sidecar|serving|catalog|demo`: the benchmarks behind docs/benchmarks.md.
 
 Each area takes the settings flags of the runtime command it measures (inference.flags), so a
 figure is measured on the settings it is quoted for.
+
+`bench serving` is the serving comparison as one command (loadtest/bench/serving.py): the model
+in-process (floor), the sidecar over gRPC and HTTP, the sidecar on Triton and Infinity (`make
+infinity`), per variant, on one stream of distinct shopper queries, open loop at batch 1: the
+model's batched ceiling, a fixed-rate run per target in alternating rounds, then a rate sweep
+that drops a target at its first step over the SLA or with any error. One serving.json, one
+serving.md table and one serving.png in --out; a missing Infinity is a row, not a failure:
+
+  embedcar bench serving                                   # everything: ~25 min on 2 cores, 50 at most
+  embedcar bench serving --variants fp32 --targets floor,grpc,http --rate 50 --rounds 1 \
+      --duration 5 --sweep 50:100:50 --sweep-duration 5    # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +34,14 @@ from sidecar.cli import add_sidecar_flags
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("bench", help="the benchmarks behind docs/benchmarks.md (model, triton, sidecar, catalog, demo)",
+    p = sub.add_parser("bench", help="the benchmarks behind docs/benchmarks.md (model, triton, sidecar, serving, "
+                       "catalog, demo)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     areas = p.add_subparsers(dest="bench_area", required=True, metavar="AREA")
     _register_model(areas)
     _register_triton(areas)
     _register_sidecar(areas)
+    _register_serving(areas)
     _register_catalog(areas)
     _register_demo(areas)
 
@@ -109,6 +123,74 @@ def _sidecar(args: argparse.Namespace) -> int:
                        out=args.out)
     print(json.dumps(report["summary"], indent=2))
     return 0
+
+
+# --- serving --------------------------------------------------------------------------------
+SERVING_TARGETS = "floor,grpc,http,triton,infinity"  # loadtest.bench.serving.KINDS (not imported here: slow)
+INFINITY_EXE = Path("var/infinity-venv/bin/infinity_emb")  # loadtest.infinity.DEFAULT_EXE
+
+
+def _register_serving(areas: Any) -> None:
+    p = areas.add_parser(
+        "serving", help="floor vs sidecar gRPC/HTTP vs Triton vs Infinity on one query stream: one table, one PNG",
+        description="The serving comparison as one command: per variant the model's batched ceiling, fixed-rate "
+                    "rounds and a rate sweep of every target, open loop at batch 1 on distinct shopper queries. "
+                    "Writes serving.json, serving.md and serving.png to --out. Details: loadtest/bench/serving.py.")
+    add_model_flags(p)
+    what = p.add_argument_group("what to compare")
+    what.add_argument("--variants", type=_items, default="fp32,int8",
+                      help="comma-separated variants (default fp32,int8)")
+    what.add_argument("--targets", type=_items, default=SERVING_TARGETS,
+                      help=f"comma-separated, some of {SERVING_TARGETS} (default all)")
+    what.add_argument("--triton-variants", type=_items, default="fp32",
+                      help="variants with a triton row (default fp32)")
+    what.add_argument("--infinity-variants", type=_items, default="fp32",
+                      help="variants with an infinity row (default fp32)")
+    what.add_argument("--infinity-exe", type=Path, default=INFINITY_EXE,
+                      help=f"Infinity's executable (default {INFINITY_EXE}, made by `make infinity`; missing: the "
+                           "infinity rows say so and the rest runs)")
+    load = p.add_argument_group("load (open loop, batch 1, every query distinct)")
+    load.add_argument("--rate", type=float, default=100.0, help="fixed rate, requests/s (default 100)")
+    load.add_argument("--rounds", type=int, default=2, help="fixed-rate rounds, every other reversed (default 2)")
+    load.add_argument("--duration", type=float, default=20.0, help="measured seconds per fixed-rate run (default 20)")
+    load.add_argument("--warmup", type=float, default=5.0, help="uncounted seconds before each (default 5)")
+    load.add_argument("--sweep", default="25:400:25", metavar="START:STOP:STEP",
+                      help="sweep rates (default 25:400:25); 'off' for none")
+    load.add_argument("--sweep-duration", type=float, default=15.0, help="measured seconds per step (default 15)")
+    load.add_argument("--sweep-warmup", type=float, default=3.0, help="uncounted seconds per step (default 3)")
+    load.add_argument("--sla-ms", type=float, default=20.0, help="P95 budget of a passing step (default 20)")
+    load.add_argument("--deadline-ms", type=float, default=1000.0, help="per-request deadline (default 1000)")
+    load.add_argument("--seed", type=int, default=0, help="query stream seed (default 0)")
+    load.add_argument("--ceiling-seconds", type=float, default=3.0, help="timed seconds of the ceiling (default 3)")
+    load.add_argument("--settle", type=float, default=1.0, help="pause between runs, seconds (default 1)")
+    rep = p.add_argument_group("report")
+    rep.add_argument("--out", type=Path, default=Path("reports/bench/serving"), help="report folder")
+    rep.add_argument("--log-dir", type=Path, default=Path("var/bench/serving"), help="server logs")
+    p.set_defaults(func=_serving)
+
+
+def _serving(args: argparse.Namespace) -> int:
+    from loadtest.bench.serving import ServingConfig, command_line, run_serving
+    from loadtest.sweep import parse_sweep
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    settings = sidecar.Settings.load(overrides=flag_overrides(args))
+    rates = () if args.sweep.strip().lower() in ("off", "none", "") else tuple(parse_sweep(args.sweep))
+    cfg = ServingConfig(
+        variants=tuple(args.variants), targets=tuple(args.targets), triton_variants=tuple(args.triton_variants),
+        infinity_variants=tuple(args.infinity_variants), rate=args.rate, rounds=args.rounds,
+        duration_s=args.duration, warmup_s=args.warmup, sweep_rates=rates, sweep_duration_s=args.sweep_duration,
+        sweep_warmup_s=args.sweep_warmup, sla_ms=args.sla_ms, deadline_ms=args.deadline_ms, seed=args.seed,
+        ceiling_s=args.ceiling_seconds, settle_s=args.settle, infinity_exe=args.infinity_exe, log_dir=args.log_dir,
+    ).validate()
+    fallback = ["bench", "serving", "--variants", ",".join(cfg.variants), "--targets", ",".join(cfg.targets),
+                "--rate", f"{cfg.rate:g}", "--rounds", str(cfg.rounds), "--duration", f"{cfg.duration_s:g}",
+                "--warmup", f"{cfg.warmup_s:g}", "--sweep", args.sweep, "--sweep-duration",
+                f"{cfg.sweep_duration_s:g}", "--sweep-warmup", f"{cfg.sweep_warmup_s:g}", "--out", str(args.out)]
+    _result, paths = run_serving(settings, cfg, out_dir=args.out, command=command_line(fallback))
+    print(paths["md"].read_text())
+    print(f"reports: {', '.join(str(p) for p in paths.values())}")
+    return 0  # a benchmark, not a gate
 
 
 # --- catalog --------------------------------------------------------------------------------
