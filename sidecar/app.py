@@ -115,7 +115,7 @@ class Sidecar:
         """Triton batches itself: straight through. The embedded model does not: the micro-batcher."""
         s = self.settings.sidecar
         if backend.batches_itself:
-            return DirectScheduler(backend, self.tokenizer, self.admission, self.metrics)
+            return DirectScheduler(backend, self.tokenizer, self.metrics)
         return MicroBatcher(backend, self.tokenizer, max_items=s.max_rows_per_pass, wait_us=s.batch_wait_us,
                             admission=self.admission, metrics=self.metrics, label=label, inline=s.inline_forward)
 

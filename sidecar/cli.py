@@ -39,12 +39,7 @@ def register(sub: Any) -> None:
 def _serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     log.info("settings: %s", json.dumps(settings.describe()["sidecar"]))  # secrets redacted
-    if settings.sidecar.event_loop == "uvloop":
-        import uvloop
-
-        uvloop.run(_serve_async(settings))
-    else:
-        asyncio.run(_serve_async(settings))
+    asyncio.run(_serve_async(settings))
     return 0
 
 

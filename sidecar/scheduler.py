@@ -6,8 +6,11 @@
                                        the deadline as the call's timeout
     FallbackScheduler                  the primary while its backend is up, else the fallback
 
-Each scheduler feeds admission control the cost of the calls it makes (`Admission.observe`), so
-the pipeline only admits and releases.
+The micro-batcher teaches admission control the cost of each forward pass (`Admission.observe`),
+so the pipeline only admits and releases. The direct scheduler does not: a call's round trip to a
+server that batches (and queues) concurrent calls includes that server's own queueing, so its
+samples priced every token at a small call's fixed cost, summed over calls that in fact run in one
+batch, and shed requests at 100 req/s (docs/benchmarks.md §9); the start-up calibration stands.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from typing import NamedTuple
 from inference.backends.base import Backend, Embeddings
 from inference.errors import DeadlineExceeded, Unavailable
 from inference.tokenizer import QueryTokenizer
-from sidecar.admission import Admission
 from sidecar.metrics import Metrics
 
 
@@ -50,10 +52,9 @@ class Scheduler(ABC):
 class DirectScheduler(Scheduler):
     """For backends that batch themselves: one call per chunk, straight through."""
 
-    def __init__(self, backend: Backend, tokenizer: QueryTokenizer, admission: Admission, metrics: Metrics) -> None:
+    def __init__(self, backend: Backend, tokenizer: QueryTokenizer, metrics: Metrics) -> None:
         self.backend = backend
         self._tokenizer = tokenizer
-        self._admission = admission
         self._metrics = metrics
 
     async def run(self, bucket: int, ids: list[list[int]], deadline: float | None) -> Computed:
@@ -66,7 +67,6 @@ class DirectScheduler(Scheduler):
         t0 = time.perf_counter_ns()
         emb = await self.backend.embed(batch, timeout_s=timeout)
         dt = time.perf_counter_ns() - t0
-        self._admission.observe(bucket * len(ids), dt * 1e-9)
         self._metrics.batch_size.observe(len(ids))
         return Computed(emb, 0, dt, self.backend.name)
 

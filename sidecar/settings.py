@@ -35,8 +35,6 @@ class SidecarSettings:
         False, "Embedded micro-batcher: run a forward pass on the event loop itself when no other request "
         "is queued (no thread hop each way; the loop waits for the pass)."
     )
-    event_loop: str = setting("asyncio", "Event loop of `sidecar serve`: asyncio or uvloop.",
-                              choices=("asyncio", "uvloop"))
     max_pending_batches: int = setting(2, "Admission: batches allowed to wait behind the running one.")
     admission_budget_ms: float = setting(
         10.0, "Admission: reject a request that would wait behind more than this much queued inference "

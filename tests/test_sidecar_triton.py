@@ -67,6 +67,7 @@ def test_sidecar_with_triton_equals_embedded(settings: Settings, triton_server: 
     ref = reference(onnx_backend, tokenizer, texts)
     with SidecarThread(triton_sidecar_settings(settings, triton_server)) as sc, Client(sc.grpc_target) as c:
         assert sc.backend.name == "triton"
+        calibrated = (sc.admission.s_per_token, sc.admission.s_per_call)
         r = c.embed(texts)
         assert r.model == onnx_backend.version_id  # same version id as the embedded backend
         cos = np.sum(r.embeddings * ref, axis=1)
@@ -75,6 +76,8 @@ def test_sidecar_with_triton_equals_embedded(settings: Settings, triton_server: 
         assert np.sum(one * ref[:6], axis=1).min() >= 0.9999
         again = c.embed(texts[:3])
         assert again.cache_hits == [True, True, True]
+        # Triton's round trips include its own queueing: they must not re-price admission's tokens.
+        assert (sc.admission.s_per_token, sc.admission.s_per_call) == calibrated
 
 
 @pytest.fixture
