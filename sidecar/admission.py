@@ -8,11 +8,12 @@ overload, when it would wait behind more than the queueing budget; a request who
 already passed never reaches the backend.
 
 Overload is a *standing* queue, told apart from a burst by a moving average of the queue's drain
-time over the last admissions (~20): the budget is enforced once that average exceeds the budget,
-and until it falls below half of it. A burst or a pause at normal traffic (a GC, a slow call, a
-whole micro-batch released at once) barely moves the average, so the SLA rate sees no
-rejections; under sustained overload the queue is held near the budget, accepted latency stays
-near the SLA, and the excess is refused at once instead of expiring after it waited. The budget
+time over the last ~100 admissions (about a second at the SLA rate): the budget is enforced once
+that average exceeds the budget, and until it falls below half of it. A burst or a pause at normal
+traffic (a GC, a slow call, a whole micro-batch released at once, a 50-100 ms stall of a shared
+VM) barely moves the average, so rates below capacity see no rejections (a window of ~20 shed
+requests at 100-125 req/s on such stalls: docs/benchmarks.md §9); under sustained overload the
+queue is held near the budget, accepted latency stays near the SLA, and the excess is refused at once instead of expiring after it waited. The budget
 bounds the wait, not the request's own cost: a big batch on an idle backend still runs.
 """
 
@@ -32,7 +33,7 @@ class Ticket:
 
 class Admission:
     def __init__(self, *, max_outstanding_items: int, s_per_token: float = 1e-4, s_per_call: float = 0.0,
-                 alpha: float = 0.2, budget_s: float = 0.0, standing_alpha: float = 0.05) -> None:
+                 alpha: float = 0.2, budget_s: float = 0.0, standing_alpha: float = 0.01) -> None:
         self.max_outstanding_items = max_outstanding_items
         self.budget_s = budget_s  # most queued work (drain time) to wait behind; 0 = the deadline only
         self.standing_alpha = standing_alpha  # weight of one admission in the standing-queue average
