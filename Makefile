@@ -14,7 +14,7 @@ PYTRITON := nvidia-pytriton==0.7.0
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[export,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[export,dev,ray]'
 	$(BIN)/pip install -q --no-deps $(PYTRITON)
 	touch $@
 

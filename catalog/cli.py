@@ -48,6 +48,7 @@ def register(sub: Any) -> None:
     b.add_argument("--shard", default="0/1", help="i/n: embed only this worker's share, then `catalog merge`")
     b.add_argument("--backend", choices=("embedded", "triton"), default="embedded",
                    help="embedded ONNX Runtime or Triton (EMBEDCAR_TRITON_URLS)")
+    add_flags(b, "catalog", CatalogSettings, "engine", "ray_address", "ray_actors")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=_build)
 

@@ -4,6 +4,10 @@ Texts are sorted by token length so each backend call pads little, cut into fixe
 by the input, so a restarted job computes exactly the batches an uninterrupted run would have),
 and each chunk is split into same-bucket calls by `inference.buckets.plan_calls` (the sidecar's
 own bucket/split plan) with several calls in flight. Every finished chunk is checkpointed.
+
+`plan_chunks` and `embed_chunk` are the whole numeric recipe: the Ray engine (catalog/ray_engine.py)
+runs the same two on its actors, so both engines send the backend identical padded batches and
+write identical chunk files.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +28,58 @@ from inference.errors import InvalidInput
 from inference.tokenizer import QueryTokenizer
 
 F32 = npt.NDArray[np.float32]
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    """Each text's token ids and the fixed chunks they are embedded in (item indices per chunk)."""
+
+    ids: list[list[int]]
+    chunks: list[I64]
+
+    def chunk_ids(self, k: int) -> list[list[int]]:
+        return [self.ids[i] for i in self.chunks[k]]
+
+
+def plan_chunks(tokenizer: QueryTokenizer, texts: Sequence[str], chunk_items: int) -> ChunkPlan:
+    """Tokenize `texts` and cut them, sorted by token length, into chunks of `chunk_items`."""
+    if chunk_items < 1:
+        raise InvalidInput("chunk_items must be positive")
+    n = len(texts)
+    ids = tokenizer.encode(list(texts)).ids if n else []
+    # Sort by length (stable): neighbours share a bucket, so batches pad little.
+    order = np.argsort(np.asarray([len(x) for x in ids], dtype=np.int64), kind="stable")
+    return ChunkPlan(ids, [order[s : s + chunk_items] for s in range(0, n, chunk_items)])
+
+
+def resume_into(plan: ChunkPlan, checkpoints: Checkpoints, dim: int) -> tuple[F32, set[int]]:
+    """The output array with the chunks `checkpoints` already hold filled in, and those chunks."""
+    done = checkpoints.resume(len(plan.chunks))
+    out = np.empty((len(plan.ids), dim), dtype=np.float32)
+    for k in done:
+        out[plan.chunks[k]] = checkpoints.read(k, (len(plan.chunks[k]), dim))
+    return out, done
+
+
+async def embed_chunk(tokenizer: QueryTokenizer, backend: Backend, ids: Sequence[Sequence[int]], *,
+                      batch_size: int, in_flight: int, on_call: Callable[[int], object] | None = None) -> F32:
+    """One chunk's vectors: `plan_calls` over its lengths, each call padded to its bucket, `in_flight`
+    calls at a time; `on_call(n)` after each call of n texts."""
+    out = np.empty((len(ids), backend.dim), dtype=np.float32)
+    calls = plan_calls([len(x) for x in ids], tokenizer.buckets, batch_size)
+    sem = asyncio.Semaphore(in_flight)
+
+    async def one(bucket: int, pos: list[int]) -> None:
+        async with sem:
+            batch = tokenizer.batch([ids[i] for i in pos], length=bucket)
+            emb = await backend.embed(batch)
+        out[pos] = emb
+        if on_call is not None:
+            on_call(len(pos))
+
+    await asyncio.gather(*(one(b, p) for b, p in calls))
+    return out
 
 
 class ChunkedEmbedder:
@@ -45,26 +101,18 @@ class ChunkedEmbedder:
         self.embed_seconds = 0.0
 
     async def run(self, texts: Sequence[str], checkpoints: Checkpoints) -> F32:
-        n = len(texts)
-        enc = self.tokenizer.encode(list(texts)) if n else None
-        lengths = np.asarray(enc.lengths if enc else [], dtype=np.int64)
-        # Sort by length (stable): neighbours share a bucket, so batches pad little.
-        order = np.argsort(lengths, kind="stable")
-        chunks = [order[s : s + self.chunk_items] for s in range(0, n, self.chunk_items)]
-        done = checkpoints.resume(len(chunks))
+        plan = plan_chunks(self.tokenizer, texts, self.chunk_items)
+        out, done = resume_into(plan, checkpoints, self.backend.dim)
         self.resumed_chunks = len(done)
-        out = np.empty((n, self.backend.dim), dtype=np.float32)
-        for k in done:
-            out[chunks[k]] = checkpoints.read(k, (len(chunks[k]), self.backend.dim))
-        bar = tqdm(total=n, initial=sum(len(chunks[k]) for k in done), unit="item", smoothing=0.1,
+        bar = tqdm(total=len(texts), initial=sum(len(plan.chunks[k]) for k in done), unit="item", smoothing=0.1,
                    disable=not self.progress, desc="embedding", dynamic_ncols=True)
         t0 = time.perf_counter()
         try:
-            for k, idx in enumerate(chunks):
+            for k, idx in enumerate(plan.chunks):
                 if k in done:
                     continue
-                assert enc is not None
-                emb = await self._embed_chunk([enc.ids[i] for i in idx], bar)
+                emb = await embed_chunk(self.tokenizer, self.backend, plan.chunk_ids(k), batch_size=self.batch_size,
+                                        in_flight=self.in_flight, on_call=bar.update)
                 self.embedded_items += len(idx)
                 done.add(k)
                 checkpoints.write(k, emb, done)
@@ -74,19 +122,4 @@ class ChunkedEmbedder:
         finally:
             bar.close()
             self.embed_seconds = time.perf_counter() - t0
-        return out
-
-    async def _embed_chunk(self, ids: list[list[int]], bar: tqdm[Any]) -> F32:
-        out = np.empty((len(ids), self.backend.dim), dtype=np.float32)
-        calls = plan_calls([len(x) for x in ids], self.tokenizer.buckets, self.batch_size)
-        sem = asyncio.Semaphore(self.in_flight)
-
-        async def one(bucket: int, pos: list[int]) -> None:
-            async with sem:
-                batch = self.tokenizer.batch([ids[i] for i in pos], length=bucket)
-                emb = await self.backend.embed(batch)
-            out[pos] = emb
-            bar.update(len(pos))
-
-        await asyncio.gather(*(one(b, p) for b, p in calls))
         return out

@@ -6,6 +6,7 @@ queries) -> a versioned FAISS index, published atomically. `build` reads as the 
     compose text          catalog/sources.py      the chosen fields joined into one text
     tokenize, bucket/split, embed
                           catalog/embedding.py    throughput mode over inference.buckets.plan_calls
+                          catalog/ray_engine.py   or the same chunks on a Ray Data actor pool (engine=ray)
     checkpoint            catalog/checkpoints.py  one file per chunk, resumable (catalog/lock.py: one worker)
     calibrate             catalog/calibration.py  query-like texts to tune an approximate index
     build index, publish  catalog/publish.py      FAISS (catalog/index.py) -> version folder (catalog/store.py)
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -33,7 +34,7 @@ from catalog.embedding import ChunkedEmbedder
 from catalog.index import resolve_type
 from catalog.lock import exclusive
 from catalog.publish import publish_index
-from catalog.settings import Settings
+from catalog.settings import ENGINES, Settings
 from catalog.shards import gather_shards, group_dir, publish_shard, select_shard
 from catalog.sources import BadRow, Loaded, Product, compose_text, read_path
 from catalog.spec import BuildSpec, content_hash, fingerprint
@@ -44,6 +45,9 @@ from inference.embedder import load_tokenizer
 from inference.errors import InvalidInput
 from inference.manifest import load_manifest
 from inference.tokenizer import QueryTokenizer
+
+if TYPE_CHECKING:
+    from catalog.ray_engine import RayEmbedder
 
 log = logging.getLogger(__name__)
 
@@ -96,21 +100,30 @@ async def build(settings: Settings, spec: BuildSpec, *, backend: Backend | None 
         raise InvalidInput(f"nothing to index: {loaded.summary()}")
     texts = [compose_text(p.fields, spec.text_fields) for p in sel.products]
     tokenizer = _tokenizer(settings)
+    if cs.engine not in ENGINES:
+        raise InvalidInput(f"unknown engine {cs.engine!r}: expected one of {', '.join(ENGINES)}")
     own = backend is None
     be = backend or job_backend(settings, backend_kind)
     try:
-        if not be.ready():
-            await be.start()
         model_id = be.version_id
+        # The fingerprint names no engine: either engine resumes the other's checkpoints.
         checkpoints = Checkpoints(cs.index_root, fingerprint(
             model_id, spec.text_fields, content_hash(sel.products, texts), cs.chunk_items, cs.batch_size, f"{i}/{n}"))
-        emb = ChunkedEmbedder(tokenizer, be, batch_size=cs.batch_size, in_flight=cs.in_flight,
-                              chunk_items=cs.chunk_items, progress=progress, on_chunk=on_chunk)
+        emb: ChunkedEmbedder | RayEmbedder
+        if cs.engine == "ray":
+            from catalog.ray_engine import RayEmbedder
+
+            # Ray's actors build their own backends; this one starts only if calibration needs it.
+            emb = RayEmbedder(settings, tokenizer, be, backend_kind=backend_kind, progress=progress,
+                              on_chunk=on_chunk)
+        else:
+            emb = ChunkedEmbedder(tokenizer, await _started(be), batch_size=cs.batch_size, in_flight=cs.in_flight,
+                                  chunk_items=cs.chunk_items, progress=progress, on_chunk=on_chunk)
         with exclusive(checkpoints.lock_path):  # two workers on one folder would overwrite each other's chunks
             vectors = await emb.run(texts, checkpoints)
         calibration = None
         if n == 1 and _approximate(settings, spec, len(texts)):
-            calibration = await calibration_queries(texts, tokenizer, be, cs.batch_size)
+            calibration = await calibration_queries(texts, tokenizer, await _started(be), cs.batch_size)
     finally:
         if own:
             await be.close()
@@ -171,6 +184,12 @@ def ensure_index(settings: Settings, spec: BuildSpec, *, backend: Backend | None
     log.info("%s", summary.describe())
     assert summary.version_dir is not None
     return summary.version_dir
+
+
+async def _started(backend: Backend) -> Backend:
+    if not backend.ready():
+        await backend.start()
+    return backend
 
 
 def _read(spec: BuildSpec) -> Loaded:

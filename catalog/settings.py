@@ -8,6 +8,8 @@ from pathlib import Path
 from inference import settings as inference
 from inference.settings import setting
 
+ENGINES = ("local", "ray")  # catalog/job.py (local) and catalog/ray_engine.py
+
 
 @dataclass(frozen=True, slots=True)
 class CatalogSettings:
@@ -29,6 +31,11 @@ class CatalogSettings:
     ann_recall_target: float = setting(0.95, "Build-time nprobe choice: smallest reaching this recall@10 vs exact.")
     hnsw_ef_construction: int = setting(80, "HNSW build breadth (slow on CPU: ~6 min for 200k items on 2 cores).")
     chunk_items: int = setting(4096, "Batch job checkpoint granularity: items per chunk file.")
+    engine: str = setting("local", "Batch job engine: local (this process) or ray (a Ray Data actor pool, same "
+                          "vectors and checkpoints).", choices=ENGINES)
+    ray_address: str = setting("", "engine=ray: a running Ray cluster's address; empty = a local Ray sized to "
+                               "this machine, shut down after the build.")
+    ray_actors: int = setting(0, "engine=ray: embedding actors; 0 = as many as the cluster's CPUs hold.")
     use_gpu: bool = setting(True, "Move the index to the GPU when faiss has GPUs.")
     # Hybrid fusion (catalog/fusion.py, Fusion): the defaults are what measured best on the prefix sets.
     rrf_k: float = setting(10.0, "Hybrid Search: reciprocal rank fusion constant (a hit scores sum of w / (k + rank)).")

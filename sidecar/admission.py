@@ -13,8 +13,9 @@ that average exceeds the budget, and until it falls below half of it. A burst or
 traffic (a GC, a slow call, a whole micro-batch released at once, a 50-100 ms stall of a shared
 VM) barely moves the average, so rates below capacity see no rejections (a window of ~20 shed
 requests at 100-125 req/s on such stalls: docs/benchmarks.md §9); under sustained overload the
-queue is held near the budget, accepted latency stays near the SLA, and the excess is refused at once instead of expiring after it waited. The budget
-bounds the wait, not the request's own cost: a big batch on an idle backend still runs.
+queue is held near the budget, accepted latency stays near the SLA, and the excess is refused at
+once instead of expiring after it waited. The budget bounds the wait, not the request's own cost: a
+big batch on an idle backend still runs.
 """
 
 from __future__ import annotations
