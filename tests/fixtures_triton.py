@@ -43,3 +43,17 @@ def _triton_session(settings: Settings, model_dir: Path, tmp_path_factory: pytes
 def triton_server(_triton_session: TritonServer) -> TritonServer:
     """The shared server, alive and answering over gRPC (restarted first if it was not)."""
     return _triton_session.ensure_running()
+
+
+@pytest.fixture
+def own_triton(settings: Settings, model_dir: Path, tmp_path: Path) -> Iterator[TritonServer]:
+    """A tritonserver of the test's own on fresh ports (the ones a test may kill), stopped after it."""
+    reason = triton_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    server = TritonServer(triton_settings(settings, tmp_path), variant="fp32")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

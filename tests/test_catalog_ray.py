@@ -184,3 +184,48 @@ def test_the_local_engine_and_the_cli_never_import_ray() -> None:
             "assert not loaded, loaded")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 0, p.stderr
+
+
+@pytest.mark.triton
+def test_two_tritons_two_sidecars_one_killed_mid_job(
+        ray_cluster: None, settings: Settings, tmp_path: Path, grocery_slice: Loaded, triton_server: Any,
+        own_triton: Any) -> None:
+    """The scale topology on loopback: the Ray job and two sidecars spread over two Triton URLs; one
+    Triton is killed after the job's first chunk: the job completes with the same vectors as a build
+    on the survivor alone, and both sidecars keep answering (from the pool, fallback off)."""
+    from sidecar.app import SidecarThread
+    from sidecar.client import Client
+    from tests.test_sidecar_triton import MissLoad, triton_sidecar_settings
+
+    victim, survivor = own_triton, triton_server
+    pool = (victim.grpc_url, survivor.grpc_url)
+
+    def job(engine: str, urls: tuple[str, ...], root: Path, **kw: Any) -> BuildSummary:
+        s = job_settings(settings, root, engine).with_section("triton", urls=urls, timeout_ms=30_000,
+                                                              probe_interval_s=0.2)
+        return asyncio.run(build(s, BuildSpec(), backend_kind="triton", loaded=grocery_slice, progress=False, **kw))
+
+    def kill_after_first(k: int) -> None:
+        if victim.running():
+            victim.kill()
+
+    sc_settings = triton_sidecar_settings(settings, victim).with_section(
+        "triton", urls=pool, timeout_ms=10_000, probe_interval_s=0.2)
+    sc_settings = sc_settings.with_section("sidecar", embedded_fallback=False)
+    with SidecarThread(sc_settings) as a, SidecarThread(sc_settings) as b, \
+            Client(a.grpc_target) as ca, Client(b.grpc_target) as cb, \
+            MissLoad(ca, "sidecar a") as load_a, MissLoad(cb, "sidecar b") as load_b:
+        killed = job("ray", pool, tmp_path / "pool", on_chunk=kill_after_first)
+        before = (len(load_a.answered), len(load_b.answered))
+        ca.embed(["after the kill a"], timeout_s=30)
+        cb.embed(["after the kill b"], timeout_s=30)
+    assert not victim.running() and killed.items == len(grocery_slice.products)
+    assert load_a.errors == [] and load_b.errors == []  # the pool answered every call, kill included
+    assert min(before) > 0 and set(load_a.answered) | set(load_b.answered) == {"triton"}
+    alone = job("local", (survivor.grpc_url,), tmp_path / "alone")
+    assert killed.version_dir is not None and alone.version_dir is not None
+    va = np.load(killed.version_dir / store.VECTORS_FILE)
+    vb = np.load(alone.version_dir / store.VECTORS_FILE)
+    assert np.array_equal(va, vb)  # the output did not change: bit-equal
+    assert pq.read_table(killed.version_dir / store.PRODUCTS_FILE).equals(
+        pq.read_table(alone.version_dir / store.PRODUCTS_FILE))

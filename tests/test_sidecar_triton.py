@@ -6,8 +6,6 @@ Kill/restart tests use their own TritonServer (not the shared session one) on fr
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +19,6 @@ from inference.triton.launcher import TritonServer
 from sidecar.app import SidecarThread
 from sidecar.client import Client
 from tests.fixtures_sidecar import sidecar_settings
-from tests.fixtures_triton import triton_settings
 from tests.test_sidecar_embed import reference, texts_for_every_bucket
 from tests.test_sidecar_reliability import health, wait_for
 
@@ -78,21 +75,6 @@ def test_sidecar_with_triton_equals_embedded(settings: Settings, triton_server: 
         assert again.cache_hits == [True, True, True]
         # Triton's round trips include its own queueing: they must not re-price admission's tokens.
         assert (sc.admission.s_per_token, sc.admission.s_per_call) == calibrated
-
-
-@pytest.fixture
-def own_triton(settings: Settings, model_dir: Path, tmp_path: Path) -> Iterator[TritonServer]:
-    from inference.triton.launcher import triton_unavailable_reason
-
-    reason = triton_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    server = TritonServer(triton_settings(settings, tmp_path), variant="fp32")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.slow
