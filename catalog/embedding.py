@@ -62,6 +62,16 @@ def resume_into(plan: ChunkPlan, checkpoints: Checkpoints, dim: int) -> tuple[F3
     return out, done
 
 
+def keep_chunk(plan: ChunkPlan, k: int, emb: F32, out: F32, done: set[int], checkpoints: Checkpoints) -> int:
+    """A finished chunk into its checkpoint file and the output array (one way for every engine, so
+    either resumes the other's checkpoints); returns its item count."""
+    idx = plan.chunks[k]
+    done.add(k)
+    checkpoints.write(k, emb, done)
+    out[idx] = emb
+    return len(idx)
+
+
 async def embed_chunk(tokenizer: QueryTokenizer, backend: Backend, ids: Sequence[Sequence[int]], *,
                       batch_size: int, in_flight: int, on_call: Callable[[int], object] | None = None) -> F32:
     """One chunk's vectors: `plan_calls` over its lengths, each call padded to its bucket, `in_flight`
@@ -108,15 +118,12 @@ class ChunkedEmbedder:
                    disable=not self.progress, desc="embedding", dynamic_ncols=True)
         t0 = time.perf_counter()
         try:
-            for k, idx in enumerate(plan.chunks):
+            for k in range(len(plan.chunks)):
                 if k in done:
                     continue
                 emb = await embed_chunk(self.tokenizer, self.backend, plan.chunk_ids(k), batch_size=self.batch_size,
                                         in_flight=self.in_flight, on_call=bar.update)
-                self.embedded_items += len(idx)
-                done.add(k)
-                checkpoints.write(k, emb, done)
-                out[idx] = emb
+                self.embedded_items += keep_chunk(plan, k, emb, out, done, checkpoints)
                 if self.on_chunk is not None:
                     self.on_chunk(k)
         finally:

@@ -28,7 +28,7 @@ import numpy.typing as npt
 from tqdm import tqdm
 
 from catalog.checkpoints import Checkpoints
-from catalog.embedding import ChunkPlan, embed_chunk, plan_chunks, resume_into
+from catalog.embedding import ChunkPlan, embed_chunk, keep_chunk, plan_chunks, resume_into
 from catalog.settings import Settings
 from inference.backends.base import Backend
 from inference.backends.factory import make_backend
@@ -151,12 +151,9 @@ class RayEmbedder:
             with ray_session(self.settings.catalog.ray_address), \
                     contextlib.closing(self._embedded(plan, todo)) as chunks:
                 for k, emb in chunks:
-                    idx = plan.chunks[k]
-                    self.embedded_items += len(idx)
-                    done.add(k)
-                    checkpoints.write(k, emb, done)
-                    out[idx] = emb
-                    bar.update(len(idx))
+                    items = keep_chunk(plan, k, emb, out, done, checkpoints)
+                    self.embedded_items += items
+                    bar.update(items)
                     if self.on_chunk is not None:
                         self.on_chunk(k)
         finally:

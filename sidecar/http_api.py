@@ -63,34 +63,11 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 def parse_embeddings_request(body: bytes) -> tuple[list[str], str]:
     """(texts, encoding_format) from an OpenAI-style body, or InvalidInput saying what is wrong."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidInput(f"request body is not valid UTF-8 (byte {exc.start})") from exc
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidInput(f"request body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
-    except RecursionError as exc:  # the C decoder recurses per [ or {
-        raise InvalidInput("request body is not JSON we accept: nested too deeply") from exc
-    except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
-        raise InvalidInput(f"request body is not JSON we accept: {str(exc).split(':')[0]}") from exc
-    if not isinstance(doc, dict):
-        raise InvalidInput(f"request body must be a JSON object, got {type(doc).__name__}")
-    unknown = sorted(set(doc) - ALLOWED_FIELDS)
-    if unknown:
-        # Field names come from the caller: quote a few, shortened, never the whole body.
-        shown = ", ".join(repr(name[:40]) for name in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
-        raise InvalidInput(f"unknown fields: {shown} (allowed: {', '.join(sorted(ALLOWED_FIELDS))})")
+    doc = _json_object(body)
+    _reject_unknown(doc, ALLOWED_FIELDS)
     if "input" not in doc:
         raise InvalidInput("missing field `input` (a string or a list of strings)")
-    raw = doc["input"]
-    if isinstance(raw, str):
-        texts = [raw]
-    elif isinstance(raw, list) and all(isinstance(t, str) for t in raw):
-        texts = raw
-    else:
-        raise InvalidInput("`input` must be a string or a list of strings (token arrays are not supported)")
+    texts = _input_texts(doc["input"], " (token arrays are not supported)")
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidInput("`model` must be a string")
@@ -118,30 +95,36 @@ def _json_object(body: bytes) -> dict[str, Any]:
         raise InvalidInput(f"request body is not valid UTF-8 (byte {exc.start})") from exc
     except json.JSONDecodeError as exc:
         raise InvalidInput(f"request body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
-    except RecursionError as exc:
+    except RecursionError as exc:  # the C decoder recurses per [ or {
         raise InvalidInput("request body is not JSON we accept: nested too deeply") from exc
-    except ValueError as exc:
+    except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
         raise InvalidInput(f"request body is not JSON we accept: {str(exc).split(':')[0]}") from exc
     if not isinstance(doc, dict):
         raise InvalidInput(f"request body must be a JSON object, got {type(doc).__name__}")
     return doc
+
+def _reject_unknown(doc: dict[str, Any], allowed: frozenset[str]) -> None:
+    unknown = sorted(set(doc) - allowed)
+    if unknown:
+        # Field names come from the caller: quote a few, shortened, never the whole body.
+        shown = ", ".join(repr(name[:40]) for name in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+        raise InvalidInput(f"unknown fields: {shown} (allowed: {', '.join(sorted(allowed))})")
+
+
+def _input_texts(raw: object, detail: str = "") -> list[str]:
+    if isinstance(raw, str):
+        return [raw]
+    if isinstance(raw, list) and all(isinstance(t, str) for t in raw):
+        return raw
+    raise InvalidInput(f"`input` must be a string or a list of strings{detail}")
 
 
 def parse_search_request(body: bytes) -> SearchBody:
     """`{"input": str | [str], "k"?, "department"?, "aisle"?, "mode"?: "semantic" | "lexical" | "hybrid"}`,
     or InvalidInput saying what is wrong; mode defaults to semantic, as in gRPC."""
     doc = _json_object(body)
-    unknown = sorted(set(doc) - SEARCH_FIELDS)
-    if unknown:
-        shown = ", ".join(repr(name[:40]) for name in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
-        raise InvalidInput(f"unknown fields: {shown} (allowed: {', '.join(sorted(SEARCH_FIELDS))})")
-    raw = doc.get("input")
-    if isinstance(raw, str):
-        texts = [raw]
-    elif isinstance(raw, list) and all(isinstance(t, str) for t in raw):
-        texts = raw
-    else:
-        raise InvalidInput("`input` must be a string or a list of strings")
+    _reject_unknown(doc, SEARCH_FIELDS)
+    texts = _input_texts(doc.get("input"))
     k = doc.get("k", 10)
     if not isinstance(k, int) or isinstance(k, bool):
         raise InvalidInput("`k` must be an integer")
