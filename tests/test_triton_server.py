@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -75,9 +76,13 @@ def _stub_pids(server: TritonServer, model: str) -> list[int]:
     return out
 
 
+# Under the Python backend's stub health timeout (1 s), with room for the signal and a metrics read.
+_FREEZE_S = 0.7
+
+
 def _pending(server: TritonServer, model: str) -> float:
     """Triton's gauge of requests queued for `model` and not yet handed to an instance."""
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+    with urllib.request.urlopen(server.metrics_url, timeout=1) as r:
         text = r.read().decode()
     m = re.search(rf'^nv_inference_pending_request_count{{model="{model}",version="1"}} (\S+)$', text, re.M)
     return float(m.group(1)) if m else 0.0
@@ -89,29 +94,40 @@ async def test_dynamic_batching_happens(triton_server: TritonServer, backend: Tr
 
     "Busy" is made certain, not hoped for: the encoder's stub processes are frozen (SIGSTOP) until
     Triton reports requests waiting in its queue, so the machine's speed does not decide the outcome.
-    Few, short requests: the queued batch must finish well inside Triton's 2 s queue timeout even on
-    a loaded machine.
+    The freeze stays under the Python backend's 1 s stub health check (a stub silent for longer is
+    declared "not healthy" and its requests fail); an attempt whose requests did not queue in time,
+    or failed that way, is retried.
     """
     n = 8
-    before = (await backend.statistics())["encoder"]
     batch = tokenizer.batch(tokenizer.encode(["bananas"]).ids, length=16)
     stubs = _stub_pids(triton_server, "encoder")
     assert stubs, "no encoder stub process found"
-    for pid in stubs:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        tasks = [asyncio.create_task(backend.embed(batch)) for _ in range(n)]
-        for _ in range(600):  # event: Triton holds at least two requests behind the frozen instances
-            if await asyncio.to_thread(_pending, triton_server, "encoder") >= 2:
-                break
-            await asyncio.sleep(0.01)
-        else:
-            pytest.fail("Triton never queued two requests for the encoder")
-    finally:
+    outcomes = []
+    for _attempt in range(5):
+        before = (await backend.statistics())["encoder"]
+        queued = False
         for pid in stubs:
-            os.kill(pid, signal.SIGCONT)
-    results = await asyncio.gather(*tasks)
-    assert all(np.allclose(r, results[0], atol=1e-5) for r in results)
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            tasks = [asyncio.create_task(backend.embed(batch)) for _ in range(n)]
+            deadline = time.monotonic() + _FREEZE_S
+            while time.monotonic() < deadline:  # event: Triton holds >= 2 requests behind the frozen stubs
+                if await asyncio.to_thread(_pending, triton_server, "encoder") >= 2:
+                    queued = True
+                    break
+                await asyncio.sleep(0.005)
+        finally:
+            for pid in stubs:
+                os.kill(pid, signal.SIGCONT)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        outcomes.append(f"queued={queued} errors={[str(e)[:80] for e in errors]}")
+        if queued and not errors:
+            break
+    else:
+        pytest.fail(f"no attempt queued {n} requests behind the frozen encoder: {outcomes}")
+    vectors = [r for r in results if isinstance(r, np.ndarray)]
+    assert all(np.allclose(v, vectors[0], atol=1e-5) for v in vectors)
     for _ in range(200):  # Triton records a batch's statistics just after sending its replies
         after = (await backend.statistics())["encoder"]
         if after["inference_count"] - before["inference_count"] >= n:
