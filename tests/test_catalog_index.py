@@ -50,8 +50,11 @@ def s(settings: Settings, tmp_path: Path) -> Settings:
     return settings.with_section("catalog", index_root=tmp_path / "idx")
 
 
-@pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw"])
+@pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw", "ivfpq"])
 def test_each_index_type_finds_stored_items(s: Settings, kind: str) -> None:
+    # PQ's default, dim/4 4-bit codes, is 48 bytes at the model's 384-d but only 4 at this test's
+    # 32-d: twice that here keeps the codes as informative per item as in production.
+    s = s.with_section("catalog", ivfpq_m=DIM // 2)
     x = clustered(3000)
     publish(s, x, index_type=kind)
     idx = ProductIndex.open(s.catalog.index_root, expected_model_id=MODEL)
@@ -74,17 +77,76 @@ def test_ivf_nprobe_is_chosen_to_reach_the_recall_target(s: Settings) -> None:
     assert index_mod.ann_recall(index, x, q) >= 0.9  # fresh queries: close to the target too
 
 
-def test_auto_type_is_flat_small_hnsw_medium_ivf_large(s: Settings) -> None:
+@pytest.mark.parametrize("refine", ["fp16", "sq8"])
+def test_ivfpq_is_compressed_and_reaches_the_recall_target(s: Settings, refine: str) -> None:
+    faiss = index_mod.faiss_module()
+    x = clustered(8000, seed=3)
+    cs = s.with_section("catalog", ivfpq_refine=refine, ivfpq_m=DIM // 2).catalog  # 8-byte codes at 32-d
+    index, params = build_faiss(x, cs, index_type="ivfpq")
+    assert params["build_recall_at_10"] >= cs.ann_recall_target + cs.ann_recall_margin
+    assert (params["pq_m"], params["pq_bits"], params["refine"]) == (DIM // 2, 4, refine)
+    # This data's near-ties need more re-ranked candidates than the default: the build doubled it.
+    assert index.k_factor == params["k_factor"] > cs.ivfpq_k_factor
+    # Codes (DIM/4 x 4 bits) + the re-rank copy (2 or 1 byte per dimension) against 4 bytes flat.
+    flat = faiss.IndexFlatIP(DIM)
+    flat.add(x)
+    per_item = {"fp16": DIM * 2 + DIM // 4, "sq8": DIM + DIM // 4}[refine]
+    size = faiss.serialize_index(index).nbytes
+    assert size < 1.1 * per_item * len(x) + 200_000 < faiss.serialize_index(flat).nbytes
+    q = index_mod.sample_queries(x, seed=99)
+    assert index_mod.ann_recall(index, x, q) >= 0.9  # fresh queries: close to the target too
+
+
+def test_nprobe_is_the_smallest_that_reaches_the_target(s: Settings) -> None:
+    x = clustered(8000, seed=4)
+    cs = s.with_section("catalog", ann_recall_margin=0.0).catalog
+    index, params = build_faiss(x, cs, index_type="ivf")
+    q = index_mod.sample_queries(x, 0)  # build_faiss's own synthetic calibration queries (seed 0)
+    ivf = index_mod.faiss_module().extract_index_ivf(index)
+    got = params["nprobe"]
+    assert index_mod.ann_recall(index, x, q) >= cs.ann_recall_target
+    if got > 1:
+        ivf.nprobe = got - 1
+        assert index_mod.ann_recall(index, x, q) < cs.ann_recall_target
+
+
+def test_a_memory_mapped_input_builds_the_same_index(s: Settings, tmp_path: Path) -> None:
+    x = clustered(5000, seed=5)
+    mm = np.lib.format.open_memmap(tmp_path / "v.npy", mode="w+", dtype=np.float32, shape=x.shape)
+    mm[:] = x
+    mm.flush()
+    mapped = np.load(tmp_path / "v.npy", mmap_mode="r")
+    small_add = 1000  # several slices
+    orig = index_mod._ADD_ROWS
+    index_mod._ADD_ROWS = small_add
+    try:
+        a, pa_ = build_faiss(mapped, s.catalog, index_type="ivfpq")
+        truth = index_mod.exact_topk(mapped, x[:50], 10)
+    finally:
+        index_mod._ADD_ROWS = orig
+    b, pb = build_faiss(x, s.catalog, index_type="ivfpq")
+    # The recorded recall may differ in the last digit: exact search summed in slices rounds differently.
+    assert pa_.pop("build_recall_at_10") == pytest.approx(pb.pop("build_recall_at_10"), abs=0.002)
+    assert pa_ == pb and a.ntotal == b.ntotal == 5000
+    assert np.array_equal(a.search(x[:50], 10)[1], b.search(x[:50], 10)[1])
+    whole = index_mod.exact_topk(x, x[:50], 10)
+    assert np.mean(truth == whole) > 0.99 and np.array_equal(truth[:, 0], whole[:, 0])  # sliced = whole
+
+
+def test_auto_type_is_flat_small_hnsw_medium_ivfpq_large(s: Settings) -> None:
     small = s.with_section("catalog", flat_max_items=1000, hnsw_max_items=5000)
     assert index_mod.resolve_type("auto", 1000, small.catalog) == "flat"
     assert index_mod.resolve_type("auto", 1001, small.catalog) == "hnsw"
-    assert index_mod.resolve_type("auto", 5001, small.catalog) == "ivf"
+    assert index_mod.resolve_type("auto", 5001, small.catalog) == "ivfpq"
     assert index_mod.resolve_type("auto", 49_688, s.catalog) == "hnsw"  # the grocery catalog
+    assert index_mod.resolve_type("auto", 10_000_000, s.catalog) == "ivfpq"
     with pytest.raises(InvalidInput):
         index_mod.resolve_type("annoy", 10, s.catalog)
+    with pytest.raises(InvalidInput, match="ivfpq_m"):
+        build_faiss(clustered(2000), s.with_section("catalog", ivfpq_m=5).catalog, index_type="ivfpq")
 
 
-@pytest.mark.parametrize("kind", ["flat", "ivf"])
+@pytest.mark.parametrize("kind", ["flat", "ivf", "ivfpq"])
 @pytest.mark.parametrize("exact_subset_max", [0, 50_000])
 def test_filters_return_only_matching_products(s: Settings, kind: str, exact_subset_max: int,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,7 +164,7 @@ def test_filters_return_only_matching_products(s: Settings, kind: str, exact_sub
     # The true best in-filter product comes first. Flat and the exact-subset path are exact as
     # built; IVF through the FAISS selector is approximate at its tuned nprobe, so that path is
     # checked with every list probed, where it must be exact too.
-    if kind == "ivf" and exact_subset_max == 0:
+    if kind in ("ivf", "ivfpq") and exact_subset_max == 0:
         idx = ProductIndex.open(s.catalog.index_root, expected_model_id=MODEL, nprobe=idx.manifest["index"]["nlist"])
         both = idx.search(x[:5], k=10, department="snacks", aisle="aisle 2")
     rows = np.array([i for i in range(3000) if i % 3 == 2 and i % 7 == 2])

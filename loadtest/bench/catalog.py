@@ -10,6 +10,7 @@ import asyncio
 import os
 import platform
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -20,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from catalog import store
-from catalog.index import ann_recall, build_faiss, exact_topk, faiss_module, sample_queries
+from catalog.index import build_faiss, exact_topk, faiss_module, sample_queries
 from catalog.job import build
 from catalog.settings import Settings
 from catalog.sources import compose_text, read_grocery
@@ -74,13 +75,16 @@ def bench_build(settings: Settings, *, limit: int | None = None, raw_sample: int
             "in_flight": settings.catalog.in_flight, "variant": settings.model.variant}
 
 
-def scale_vectors(base: F32, n: int, *, seed: int = 0) -> F32:
+def scale_vectors(base: F32, n: int, *, seed: int = 0, path: Path | None = None) -> F32:
     """`n` unit vectors shaped like `base`: its rows, then noisy copies of them (synthetic beyond
-    len(base): label results so)."""
+    len(base): label results so). With `path` they are written there and returned memory-mapped
+    (10M x 384 fp32 is 15 GB: more than this machine holds next to an index)."""
     if n <= base.shape[0]:
         return np.ascontiguousarray(base[:n], dtype=np.float32)
     rng = np.random.default_rng(seed)
-    out = np.empty((n, base.shape[1]), dtype=np.float32)
+    shape = (n, base.shape[1])
+    out = (np.empty(shape, dtype=np.float32) if path is None
+           else np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape))
     out[: base.shape[0]] = base
     step = 100_000
     for s in range(base.shape[0], n, step):
@@ -88,7 +92,44 @@ def scale_vectors(base: F32, n: int, *, seed: int = 0) -> F32:
         src = base[rng.integers(0, base.shape[0], e - s)]
         noisy = src + rng.normal(0, 0.5 / np.sqrt(base.shape[1]), src.shape).astype(np.float32)
         out[s:e] = noisy / np.linalg.norm(noisy, axis=1, keepdims=True)
-    return out
+    if path is None:
+        return out
+    assert isinstance(out, np.memmap)
+    out.flush()
+    del out
+    mapped: F32 = np.load(path, mmap_mode="r")
+    return mapped
+
+
+class PeakRss:
+    """Peak growth of this process's resident memory while the block runs, sampled every 20 ms:
+    anonymous (what the build allocates) and total (also counts pages of memory-mapped inputs)."""
+
+    def __init__(self) -> None:
+        self.anon_mb = self.total_mb = 0.0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def _now() -> tuple[float, float]:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines()
+                      if line.startswith(("RssAnon", "VmRSS")))
+        return (int(fields["RssAnon"].split()[0]) / 1024, int(fields["VmRSS"].split()[0]) / 1024)
+
+    def __enter__(self) -> PeakRss:
+        base = self._now()
+
+        def sample() -> None:
+            while not self._stop.wait(0.02):
+                anon, total = self._now()
+                self.anon_mb, self.total_mb = max(self.anon_mb, anon - base[0]), max(self.total_mb, total - base[1])
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def text_queries(settings: Settings, version_dir: Path, n: int, *, seed: int) -> F32:
@@ -114,49 +155,87 @@ def text_queries(settings: Settings, version_dir: Path, n: int, *, seed: int) ->
     return asyncio.run(run())
 
 
+IN_RAM_TYPES = ("flat", "ivf", "hnsw")  # each holds every vector at fp32
+
+
 def bench_search(settings: Settings, base: F32, *, sizes: Sequence[int] = (50_000, 1_000_000),
-                 types: Sequence[str] = ("flat", "ivf", "hnsw"), queries: F32 | None = None,
-                 calibration: F32 | None = None, hnsw_max_items: int = 200_000) -> list[dict[str, Any]]:
-    """Build time, serialized size, single-query latency (1 thread) and recall@10 vs exact.
+                 types: Sequence[str] = ("flat", "hnsw", "ivf", "ivfpq"), queries: F32 | None = None,
+                 calibration: F32 | None = None, hnsw_max_items: int = 200_000,
+                 work_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Build time and peak memory, file size, single-query latency (1 thread) and recall@10 vs exact.
 
     `queries` are timed and scored, `calibration` tunes the ANN indexes (keep them disjoint);
-    None = synthetic vectors."""
+    None = synthetic vectors. Sizes whose vectors would take over a quarter of available memory
+    are written to `work_dir` and memory-mapped; types that hold every vector uncompressed are
+    skipped where that would not fit."""
     faiss = faiss_module()
-    faiss.omp_set_num_threads(max(1, settings.catalog.search_threads))
     rows: list[dict[str, Any]] = []
-    for n in sizes:
-        x = scale_vectors(base, n)
-        q = sample_queries(x, seed=7, n=500) if queries is None else np.ascontiguousarray(queries, np.float32)
-        truth = exact_topk(x, q, 10)
-        for kind in types:
-            if kind == "hnsw" and n > hnsw_max_items:
-                rows.append({"items": n, "type": kind, "skipped": f"HNSW build over {hnsw_max_items} items "
-                             "takes too long on this machine (raise --hnsw-max-items to run it)"})
-                continue
-            faiss.omp_set_num_threads(os.cpu_count() or 1)  # build with every core
-            t0 = time.perf_counter()
-            index, params = build_faiss(x, settings.catalog, index_type=kind, queries=calibration)
-            build_s = time.perf_counter() - t0
-            faiss.omp_set_num_threads(max(1, settings.catalog.search_threads))
-            size = int(faiss.serialize_index(index).nbytes)
-            lat = []
-            for i in range(q.shape[0]):
-                t = time.perf_counter_ns()
-                index.search(q[i : i + 1], 10)
-                lat.append(time.perf_counter_ns() - t)
-            ms = np.asarray(lat) / 1e6
-            rows.append({"items": n, "type": kind, "params": params, "build_s": round(build_s, 2),
-                         "size_mb": round(size / 2**20, 1), "p50_ms": round(float(np.median(ms)), 3),
-                         "p95_ms": round(float(np.percentile(ms, 95)), 3),
-                         "recall_at_10_vs_exact": round(ann_recall(index, x, q, 10, truth), 4),
-                         "synthetic_beyond": int(base.shape[0]), "queries": int(q.shape[0]),
-                         "query_kind": "synthetic" if queries is None else "embedded title fragments",
-                         "host": host()})
+    with tempfile.TemporaryDirectory(prefix="embedcar-bench-", dir=work_dir) as tmp:
+        for n in sizes:
+            raw = n * base.shape[1] * 4
+            mapped = raw > _available_bytes() / 4
+            x = scale_vectors(base, n, path=Path(tmp) / f"vectors-{n}.npy" if mapped else None)
+            q = sample_queries(x, seed=7, n=500) if queries is None else np.ascontiguousarray(queries, np.float32)
+            faiss.omp_set_num_threads(os.cpu_count() or 1)
+            truth = exact_topk(x, q, 10)
+            for kind in types:
+                skip = _skip_reason(kind, n, raw, hnsw_max_items)
+                if skip:
+                    rows.append({"items": n, "type": kind, "skipped": skip})
+                    continue
+                rows.append(_bench_one(settings, x, q, truth, kind, calibration, Path(tmp) / "index.faiss"))
+                rows[-1].update(synthetic_beyond=int(base.shape[0]), memory_mapped_input=mapped,
+                                query_kind="synthetic" if queries is None else "embedded title fragments")
+            del x
     return rows
 
 
+def _available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _skip_reason(kind: str, n: int, raw_bytes: int, hnsw_max_items: int) -> str:
+    if kind == "hnsw" and n > hnsw_max_items:
+        return (f"HNSW build over {hnsw_max_items} items takes too long on this machine "
+                "(raise --hnsw-max-items to run it)")
+    if kind in IN_RAM_TYPES and raw_bytes > _available_bytes() / 2:
+        return (f"holds every vector at fp32 ({raw_bytes / 2**30:.1f} GiB): over half this machine's "
+                "available memory")
+    return ""
+
+
+def _bench_one(settings: Settings, x: F32, q: F32, truth: npt.NDArray[np.int64], kind: str,
+               calibration: F32 | None, file: Path) -> dict[str, Any]:
+    faiss = faiss_module()
+    faiss.omp_set_num_threads(os.cpu_count() or 1)  # build with every core
+    with PeakRss() as rss:
+        t0 = time.perf_counter()
+        index, params = build_faiss(x, settings.catalog, index_type=kind, queries=calibration)
+        build_s = time.perf_counter() - t0
+    faiss.write_index(index, str(file))
+    size = file.stat().st_size
+    file.unlink()
+    faiss.omp_set_num_threads(max(1, settings.catalog.search_threads))
+    lat = []
+    for i in range(q.shape[0]):
+        t = time.perf_counter_ns()
+        index.search(q[i : i + 1], 10)
+        lat.append(time.perf_counter_ns() - t)
+    ms = np.asarray(lat) / 1e6
+    _d, got = index.search(q, 10)
+    recall = float(np.mean([len(set(g) & set(t)) / 10 for g, t in zip(got, truth, strict=True)]))
+    return {"items": int(x.shape[0]), "type": kind, "params": params, "build_s": round(build_s, 2),
+            "peak_rss_mb": round(rss.total_mb), "peak_anon_mb": round(rss.anon_mb),
+            "size_mb": round(size / 2**20, 1), "p50_ms": round(float(np.median(ms)), 3),
+            "p95_ms": round(float(np.percentile(ms, 95)), 3), "recall_at_10_vs_exact": round(recall, 4),
+            "queries": int(q.shape[0]), "host": host()}
+
+
 def bench_search_newest(settings: Settings, *, sizes: Sequence[int], types: Sequence[str], queries: int,
-                        hnsw_max_items: int) -> tuple[list[dict[str, Any]], int]:
+                        hnsw_max_items: int, work_dir: Path | None = None) -> tuple[list[dict[str, Any]], int]:
     """`bench_search` from the newest index version's real embeddings, timed and tuned with embedded
     fragments of its product texts -> (rows, how many items are real)."""
     newest = store.newest_version(settings.catalog.index_root)
@@ -166,18 +245,19 @@ def bench_search_newest(settings: Settings, *, sizes: Sequence[int], types: Sequ
     base = np.load(newest / store.VECTORS_FILE)
     rows = bench_search(settings, base, sizes=sizes, types=types, hnsw_max_items=hnsw_max_items,
                         queries=text_queries(settings, newest, queries, seed=1),
-                        calibration=text_queries(settings, newest, 256, seed=2))
+                        calibration=text_queries(settings, newest, 256, seed=2), work_dir=work_dir)
     return rows, int(base.shape[0])
 
 
 def search_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    out = ["| items | index | params | build s | size MB | P50 ms | P95 ms | recall@10 vs exact |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| items | index | params | build s | build peak RSS MB (anon) | size MB | P50 ms | P95 ms | "
+           "recall@10 vs exact |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
-            out.append(f"| {r['items']} | {r['type']} | skipped: {r['skipped']} | | | | | |")
+            out.append(f"| {r['items']} | {r['type']} | skipped: {r['skipped']} | | | | | | |")
             continue
-        p = ", ".join(f"{k}={v}" for k, v in r["params"].items() if k not in ("type", "build_seconds"))
-        out.append(f"| {r['items']} | {r['type']} | {p} | {r['build_s']} | {r['size_mb']} | {r['p50_ms']} | "
-                   f"{r['p95_ms']} | {r['recall_at_10_vs_exact']} |")
+        p = ", ".join(f"{k}={v}" for k, v in r["params"].items() if k not in ("type", "calibration"))
+        out.append(f"| {r['items']} | {r['type']} | {p} | {r['build_s']} | {r['peak_rss_mb']} "
+                   f"({r['peak_anon_mb']}) | {r['size_mb']} | {r['p50_ms']} | {r['p95_ms']} | "
+                   f"{r['recall_at_10_vs_exact']} |")
     return "\n".join(out)

@@ -206,7 +206,10 @@ def _register_catalog(areas: Any) -> None:
     search = csub.add_parser("search", help="index build time/size and single-query latency per type and size")
     _catalog_flags(search)
     search.add_argument("--sizes", type=_items, default="50000,1000000", help="comma-separated item counts")
-    search.add_argument("--types", type=_items, default="flat,ivf,hnsw", help="comma-separated index types")
+    search.add_argument("--types", type=_items, default="flat,hnsw,ivf,ivfpq", help="comma-separated index types")
+    add_flags(search, "catalog", catalog.CatalogSettings, "ivfpq_refine", "ivfpq_k_factor", "ann_recall_margin")
+    search.add_argument("--work-dir", type=Path, default=None,
+                        help="where sizes too large for memory are memory-mapped from (default: the temp dir)")
     search.add_argument("--queries", type=int, default=500, help="single queries timed per index")
     search.add_argument("--hnsw-max-items", type=int, default=200_000, help="skip HNSW above this size")
     search.add_argument("--json", dest="json_out", default=None, help="also write the rows here")
@@ -233,7 +236,8 @@ def _catalog_search(args: argparse.Namespace) -> int:
 
     rows, real = bench_search_newest(catalog.Settings.load(overrides=flag_overrides(args)),
                                      sizes=[int(x) for x in args.sizes], types=args.types,
-                                     queries=args.queries, hnsw_max_items=args.hnsw_max_items)
+                                     queries=args.queries, hnsw_max_items=args.hnsw_max_items,
+                                     work_dir=args.work_dir)
     print(search_markdown(rows))
     print(f"(vectors beyond {real} items are synthetic: noisy copies of real product embeddings)")
     if args.json_out:
