@@ -27,17 +27,22 @@ def compose() -> dict[str, Any]:
     return data
 
 
+def _unset(value: object) -> str:
+    """A compose value as compose reads it with none of its variables set: `${X:-default}` -> default."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))
+
+
 def _ports(service: dict[str, Any]) -> dict[int, tuple[str, int]]:
     """container port -> (host address, host port)."""
     out = {}
     for p in service.get("ports", []):
-        host, hport, cport = str(p).split(":")
+        host, hport, cport = _unset(p).split(":")
         out[int(cport)] = (host, int(hport))
     return out
 
 
 def _env(service: dict[str, Any]) -> dict[str, str]:
-    return {k: str(v) for k, v in (service.get("environment") or {}).items()}
+    return {k: _unset(v) for k, v in (service.get("environment") or {}).items()}
 
 
 def _entry(service: dict[str, Any]) -> str:
@@ -142,6 +147,18 @@ def test_every_published_port_is_loopback(compose: dict[str, Any]) -> None:
     for name, svc in compose["services"].items():
         for host, _port in _ports(svc).values():
             assert host == "127.0.0.1", name
+
+
+def test_a_pool_is_set_by_variables_that_default_to_one_host(compose: dict[str, Any]) -> None:
+    # docs/scale.md: Triton hosts publish on EMBEDCAR_PUBLISH_ADDR; search nodes and the job read the
+    # pool from EMBEDCAR_TRITON_URLS. Unset, both give the single-host stack checked above.
+    for p in compose["services"]["triton"]["ports"]:
+        assert str(p).startswith("${EMBEDCAR_PUBLISH_ADDR:-127.0.0.1}:")
+    for name in ("sidecar", "catalog"):
+        raw = compose["services"][name]["environment"]["EMBEDCAR_TRITON_URLS"]
+        assert raw.startswith("${EMBEDCAR_TRITON_URLS:-")
+        pool = Settings.load(environ={**_env(compose["services"][name]), "EMBEDCAR_TRITON_URLS": "a:8001,b:8001"})
+        assert pool.triton.urls == ("a:8001", "b:8001")
 
 
 def test_bind_mount_sources_are_project_folders(compose: dict[str, Any]) -> None:
