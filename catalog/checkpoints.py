@@ -21,6 +21,7 @@ from inference.files import atomic_write, atomic_write_text
 F32 = npt.NDArray[np.float32]
 WORK_DIR = ".work"
 PROGRESS_FILE = "progress.json"
+SCRATCH_FILE = "vectors.scratch.npy"
 
 
 class Checkpoints:
@@ -60,6 +61,12 @@ class Checkpoints:
     def save_progress(self, done: set[int]) -> None:
         atomic_write_text(self.dir / PROGRESS_FILE, json.dumps(
             {"fingerprint": self.fingerprint, "chunks": self.n_chunks, "done": sorted(done)}))
+
+    def scratch(self, shape: tuple[int, int]) -> F32:
+        """A memory-mapped float32 array in this build's folder (not a checkpoint: rebuilt from the
+        chunk files on every run, removed with them by `discard`)."""
+        out: F32 = np.lib.format.open_memmap(self.dir / SCRATCH_FILE, mode="w+", dtype=np.float32, shape=shape)
+        return out
 
     def discard(self) -> None:
         """After publishing: the checkpoints have done their job."""

@@ -53,10 +53,17 @@ def plan_chunks(tokenizer: QueryTokenizer, texts: Sequence[str], chunk_items: in
     return ChunkPlan(ids, [order[s : s + chunk_items] for s in range(0, n, chunk_items)])
 
 
+# Above this size the job's output array is a memory-mapped scratch file beside the checkpoints
+# instead of memory (10M x 384 fp32 is 15 GB): publishing copies and indexes it in slices.
+IN_MEMORY_MAX_BYTES = 1 << 30
+
+
 def resume_into(plan: ChunkPlan, checkpoints: Checkpoints, dim: int) -> tuple[F32, set[int]]:
     """The output array with the chunks `checkpoints` already hold filled in, and those chunks."""
     done = checkpoints.resume(len(plan.chunks))
-    out = np.empty((len(plan.ids), dim), dtype=np.float32)
+    shape = (len(plan.ids), dim)
+    out = (np.empty(shape, dtype=np.float32) if shape[0] * dim * 4 <= IN_MEMORY_MAX_BYTES
+           else checkpoints.scratch(shape))
     for k in done:
         out[plan.chunks[k]] = checkpoints.read(k, (len(plan.chunks[k]), dim))
     return out, done

@@ -117,6 +117,33 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(
     assert not (s.catalog.index_root / ".work").exists() or not any((s.catalog.index_root / ".work").iterdir())
 
 
+def test_a_large_output_is_assembled_in_a_mapped_scratch_file_and_resumes_to_the_same_vectors(
+        settings: Settings, tmp_path: Path, onnx_backend: OnnxBackend, grocery_slice: Loaded,
+        grocery_build: BuildSummary, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every output counts as "large" here: the job assembles its vectors in a memory-mapped file
+    # beside the checkpoints (a 10M catalog's 15 GB), and publish indexes them from there.
+    from catalog import embedding
+    from catalog.checkpoints import SCRATCH_FILE
+    from tests.fixtures_catalog import catalog_settings_for
+
+    monkeypatch.setattr(embedding, "IN_MEMORY_MAX_BYTES", 0)
+    s = catalog_settings_for(settings, tmp_path / "idx")
+    seen: list[bool] = []
+
+    def crash_after_one(k: int) -> None:
+        seen.append(any((s.catalog.index_root / ".work").glob(f"*/{SCRATCH_FILE}")))
+        raise Crash("killed after 1 chunk")
+
+    with pytest.raises(Crash):
+        asyncio.run(build(s, BuildSpec(), backend=onnx_backend, loaded=grocery_slice, progress=False,
+                          on_chunk=crash_after_one))
+    assert seen == [True]
+    summary = run_build(s, onnx_backend, grocery_slice)
+    assert summary.resumed_chunks == 1 and summary.version_dir is not None and grocery_build.version_dir is not None
+    np.testing.assert_allclose(vectors(summary.version_dir), vectors(grocery_build.version_dir), atol=1e-6)
+    assert not list((s.catalog.index_root / ".work").glob(f"*/{SCRATCH_FILE}"))  # removed with the checkpoints
+
+
 def test_a_changed_input_does_not_resume_stale_checkpoints(
         settings: Settings, tmp_path: Path, onnx_backend: OnnxBackend, grocery_slice: Loaded) -> None:
     from tests.fixtures_catalog import catalog_settings_for
