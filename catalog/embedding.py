@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -67,6 +68,12 @@ def resume_into(plan: ChunkPlan, checkpoints: Checkpoints, dim: int) -> tuple[F3
     for k in done:
         out[plan.chunks[k]] = checkpoints.read(k, (len(plan.chunks[k]), dim))
     return out, done
+
+
+def progress_bar(plan: ChunkPlan, done: set[int], *, enabled: bool, desc: str) -> tqdm[Any]:
+    """The job's item-counting bar, starting at the items of the chunks already done."""
+    return tqdm(total=len(plan.ids), initial=sum(len(plan.chunks[k]) for k in done), unit="item", smoothing=0.1,
+                disable=not enabled, desc=desc, dynamic_ncols=True)
 
 
 def keep_chunk(plan: ChunkPlan, k: int, emb: F32, out: F32, done: set[int], checkpoints: Checkpoints) -> int:
@@ -121,8 +128,7 @@ class ChunkedEmbedder:
         plan = plan_chunks(self.tokenizer, texts, self.chunk_items)
         out, done = resume_into(plan, checkpoints, self.backend.dim)
         self.resumed_chunks = len(done)
-        bar = tqdm(total=len(texts), initial=sum(len(plan.chunks[k]) for k in done), unit="item", smoothing=0.1,
-                   disable=not self.progress, desc="embedding", dynamic_ncols=True)
+        bar = progress_bar(plan, done, enabled=self.progress, desc="embedding")
         t0 = time.perf_counter()
         try:
             for k in range(len(plan.chunks)):

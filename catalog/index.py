@@ -576,7 +576,7 @@ def _load(path: Path, *, nprobe: int | None, ef_search: int | None, use_gpu: boo
     if kind in ("ivf", "ivfpq"):
         _ivf(index).nprobe = nprobe or int(manifest["index"].get("nprobe", 16))
         if kind == "ivfpq":
-            index.k_factor = float(manifest["index"].get("k_factor", 8))
+            index.k_factor = float(manifest["index"]["k_factor"])  # every ivfpq build records it
     elif kind == "hnsw":
         index.hnsw.efSearch = ef_search or int(manifest["index"].get("ef_search", 64))
     lexical = None

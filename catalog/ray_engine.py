@@ -25,10 +25,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from tqdm import tqdm
 
 from catalog.checkpoints import Checkpoints
-from catalog.embedding import ChunkPlan, embed_chunk, keep_chunk, plan_chunks, resume_into
+from catalog.embedding import ChunkPlan, embed_chunk, keep_chunk, plan_chunks, progress_bar, resume_into
 from catalog.settings import Settings
 from inference.backends.base import Backend
 from inference.backends.factory import make_backend
@@ -144,8 +143,7 @@ class RayEmbedder:
         todo = [k for k in range(len(plan.chunks)) if k not in done]
         if not todo:
             return out
-        bar = tqdm(total=len(texts), initial=sum(len(plan.chunks[k]) for k in done), unit="item", smoothing=0.1,
-                   disable=not self.progress, desc="embedding (ray)", dynamic_ncols=True)
+        bar = progress_bar(plan, done, enabled=self.progress, desc="embedding (ray)")
         t0 = time.perf_counter()
         try:
             with ray_session(self.settings.catalog.ray_address), \

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from catalog import store
-from catalog.index import build_faiss, exact_topk, faiss_module, sample_queries
+from catalog.index import ann_recall, build_faiss, exact_topk, faiss_module, sample_queries
 from catalog.job import build
 from catalog.settings import Settings
 from catalog.sources import compose_text, read_grocery
@@ -31,6 +31,7 @@ from inference.buckets import plan_calls
 from inference.embedder import load_tokenizer
 from inference.errors import NotFound
 from inference.manifest import load_manifest
+from loadtest.faults.common import rss_mb
 
 F32 = npt.NDArray[np.float32]
 
@@ -111,9 +112,8 @@ class PeakRss:
 
     @staticmethod
     def _now() -> tuple[float, float]:
-        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines()
-                      if line.startswith(("RssAnon", "VmRSS")))
-        return (int(fields["RssAnon"].split()[0]) / 1024, int(fields["VmRSS"].split()[0]) / 1024)
+        pid = os.getpid()
+        return (rss_mb(pid, "RssAnon") or 0.0, rss_mb(pid) or 0.0)
 
     def __enter__(self) -> PeakRss:
         base = self._now()
@@ -225,8 +225,7 @@ def _bench_one(settings: Settings, x: F32, q: F32, truth: npt.NDArray[np.int64],
         index.search(q[i : i + 1], 10)
         lat.append(time.perf_counter_ns() - t)
     ms = np.asarray(lat) / 1e6
-    _d, got = index.search(q, 10)
-    recall = float(np.mean([len(set(g) & set(t)) / 10 for g, t in zip(got, truth, strict=True)]))
+    recall = ann_recall(index, x, q, 10, truth)
     return {"items": int(x.shape[0]), "type": kind, "params": params, "build_s": round(build_s, 2),
             "peak_rss_mb": round(rss.total_mb), "peak_anon_mb": round(rss.anon_mb),
             "size_mb": round(size / 2**20, 1), "p50_ms": round(float(np.median(ms)), 3),

@@ -108,13 +108,14 @@ async def load_during(target: SidecarEmbedTarget, texts: Sequence[str], config: 
     return result, done
 
 
-def rss_mb(pid: int | None) -> float | None:
-    """Resident set size of process `pid` in MiB (Linux /proc), None if it is gone."""
+def rss_mb(pid: int | None, field: str = "VmRSS") -> float | None:
+    """Resident set size of process `pid` in MiB (Linux /proc), None if it is gone; `field` another
+    of its status lines in kB, e.g. RssAnon (anonymous memory only)."""
     if pid is None:
         return None
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         return None
