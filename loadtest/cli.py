@@ -35,6 +35,7 @@ from loadtest.targets import (
     InProcessTarget,
     SidecarEmbedTarget,
     SidecarSearchTarget,
+    SidecarStreamTarget,
     StubTarget,
     Target,
     TritonTarget,
@@ -112,6 +113,8 @@ def _remote_target(spec: TargetSpec, args: argparse.Namespace, settings: Setting
     stats = args.triton_stats_url
     if spec.target == "sidecar-embed":
         return SidecarEmbedTarget(args.sidecar, api_key=api_key, triton_stats_url=stats)
+    if spec.target == "sidecar-stream":
+        return SidecarStreamTarget(args.sidecar, api_key=api_key, triton_stats_url=stats)
     if spec.target == "sidecar-search":
         return SidecarSearchTarget(args.sidecar, api_key=api_key, k=args.k, triton_stats_url=stats)
     if spec.target == "http":

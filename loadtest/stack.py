@@ -30,6 +30,7 @@ from loadtest.targets import (
     InProcessTarget,
     SidecarEmbedTarget,
     SidecarSearchTarget,
+    SidecarStreamTarget,
     StubTarget,
     Target,
     TritonTarget,
@@ -209,4 +210,6 @@ def start_stack(spec: TargetSpec, settings: Settings, stack: contextlib.ExitStac
         return SidecarSearchTarget(sc.grpc_target, api_key=api_key, k=k, triton_stats_url=triton_url)
     if spec.target == "http":
         return HttpEmbedTarget(sc.http_url, api_key=api_key, triton_stats_url=triton_url)
+    if spec.target == "sidecar-stream":
+        return SidecarStreamTarget(sc.grpc_target, api_key=api_key, triton_stats_url=triton_url)
     return SidecarEmbedTarget(sc.grpc_target, api_key=api_key, triton_stats_url=triton_url)

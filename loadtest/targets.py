@@ -21,7 +21,8 @@ Timings = dict[str, int]
 # "inprocess": the embedded ORT backend inside the generator's process (no server, no network): the
 # floor any server adds to. "stub" answers after ~1 ms: a dry run of the generator itself.
 # "infinity": Infinity (infinity-emb, loadtest/infinity.py) serving the same ONNX file over HTTP.
-TARGETS = ("sidecar-embed", "sidecar-search", "http", "triton", "baseline", "inprocess", "stub", "infinity")
+TARGETS = ("sidecar-embed", "sidecar-stream", "sidecar-search", "http", "triton", "baseline", "inprocess", "stub",
+           "infinity")
 
 
 class Target(ABC):
@@ -51,6 +52,7 @@ class SidecarEmbedTarget(Target):
     """The sidecar's gRPC Embed RPC through sidecar.client.AsyncClient."""
 
     name = "sidecar-embed"
+    stream = False  # Embed as messages on one open Stream call instead of a unary call each
 
     def __init__(self, grpc_target: str, *, api_key: str | None = None, float16: bool = False,
                  triton_stats_url: str | None = None) -> None:
@@ -64,7 +66,7 @@ class SidecarEmbedTarget(Target):
     async def start(self) -> None:
         from sidecar.client import AsyncClient
 
-        self._client = AsyncClient(self.grpc_target, api_key=self._api_key)
+        self._client = AsyncClient(self.grpc_target, api_key=self._api_key, stream=self.stream)
         await self._client.__aenter__()
         if self._stats is not None:
             await self._stats.start()
@@ -86,6 +88,13 @@ class SidecarEmbedTarget(Target):
 
     def describe(self) -> dict[str, Any]:
         return {"target": self.name, "address": self.grpc_target, "model": self.model}
+
+
+class SidecarStreamTarget(SidecarEmbedTarget):
+    """The same Embed requests as messages on one long-lived Stream call (AsyncClient(stream=True))."""
+
+    name = "sidecar-stream"
+    stream = True
 
 
 class SidecarSearchTarget(SidecarEmbedTarget):

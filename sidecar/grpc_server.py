@@ -4,13 +4,16 @@ Requests are parsed here rather than by grpc so that undecodable bytes, invalid 
 fields become INVALID_ARGUMENT with a message instead of a generic failure.
 
 With API keys set, every method needs the `x-api-key` metadata except the health service (probes
-carry no key): Embed and Search check it in the service (per tenant, with its rate limit),
+carry no key): Embed and Search check it in the service (per tenant, with its rate limit; Stream
+once when it opens and again per request),
 `KeyInterceptor` checks it for the rest (server reflection, and whatever is added later).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -36,12 +39,19 @@ _F32 = "<f4"
 
 
 def _parse(cls: type[Any], raw: bytes) -> Any:
+    return _known_fields(_decode(cls, raw))
+
+
+def _decode(cls: type[Any], raw: bytes) -> Any:
     try:
-        msg = cls.FromString(raw)
+        return cls.FromString(raw)
     except DecodeError as exc:
         raise InvalidInput(f"request is not a valid {cls.DESCRIPTOR.full_name} (bad bytes or invalid UTF-8)") from exc
+
+
+def _known_fields(msg: Any) -> Any:
     if len(unknown_fields.UnknownFieldSet(msg)):
-        raise InvalidInput(f"request has fields unknown to {cls.DESCRIPTOR.full_name}: wrong proto version?")
+        raise InvalidInput(f"request has fields unknown to {msg.DESCRIPTOR.full_name}: wrong proto version?")
     return msg
 
 
@@ -89,58 +99,104 @@ def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
 
 
 class EmbedderServicer:
+    """Embed and Search as unary calls, and both over `Stream`: one handler per request kind, wrapped
+    once for a unary call (an error ends the call with its status) and once for a stream message (an
+    error is that request's reply)."""
+
     def __init__(self, service: EmbedService, metrics: Metrics) -> None:
         self.service = service
         self.metrics = metrics
         # Label lookups cost ~15 µs each: bind the hot ones once.
-        self._ok_embed = metrics.requests.labels("embed", "ok")
-        self._ok_search = metrics.requests.labels("search", "ok")
+        self._ok = {"embed": metrics.requests.labels("embed", "ok"), "search": metrics.requests.labels("search", "ok")}
 
     async def embed(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        return await self._unary("embed", pb.EmbedRequest, raw, context)
+
+    async def search(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        return await self._unary("search", pb.SearchRequest, raw, context)
+
+    async def stream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Each message becomes its own task, so requests in flight on one stream batch together as
+        separate calls would; replies go out in the order they finish, one write at a time."""
+        key = _api_key(context)
         try:
-            req: pb.EmbedRequest = _parse(pb.EmbedRequest, raw)
-            out = await self.service.embed(req.texts, api_key=_api_key(context), deadline=_deadline(context))
+            self.service.keys.tenant_for(key)  # a wrong key ends the stream; each request is checked again
+        except Unauthenticated as exc:
+            await self._abort(context, "stream", exc)
+        stream_deadline = _deadline(context)
+        writing = asyncio.Lock()
+
+        async def answer(raw: bytes) -> None:
+            reply = await self._stream_one(raw, key, stream_deadline)
+            async with writing:
+                await context.write(reply.SerializeToString())
+
+        async with asyncio.TaskGroup() as tasks:  # the client leaving cancels what is still running
+            async for raw in requests:
+                tasks.create_task(answer(raw))
+
+    async def _unary(self, rpc: str, cls: type[Any], raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        try:
+            reply = await self._handle(rpc, _parse(cls, raw), _api_key(context), _deadline(context))
+        except EmbedcarError as exc:
+            await self._abort(context, rpc, exc)
+            raise  # unreachable: abort raises
+        except Exception as exc:  # a bug: report it as INTERNAL, never crash the server
+            await self._abort(context, rpc, Internal(f"unexpected error: {type(exc).__name__}"))
+            raise
+        return bytes(reply.SerializeToString())
+
+    async def _stream_one(self, raw: bytes, key: str | None, stream_deadline: float | None) -> pb.StreamReply:
+        arrived = time.monotonic()
+        rid, rpc = 0, "stream"
+        try:
+            msg: pb.StreamRequest = _decode(pb.StreamRequest, raw)
+            rid, kind = msg.id, msg.WhichOneof("call")  # the id first: a refusal below can echo it
+            _known_fields(msg)
+            if kind is None:
+                raise InvalidInput("stream request carries neither embed nor search")
+            rpc, inner = kind, _known_fields(getattr(msg, kind))
+            deadline = arrived + msg.timeout_ms / 1000 if msg.timeout_ms else stream_deadline
+            reply = await self._handle(rpc, inner, key, deadline)
+        except EmbedcarError as exc:
+            return pb.StreamReply(id=rid, error=self._error(rpc, exc))
+        except Exception as exc:
+            return pb.StreamReply(id=rid, error=self._error(rpc, Internal(f"unexpected error: {type(exc).__name__}")))
+        return pb.StreamReply(id=rid, **{rpc: reply})
+
+    async def _handle(self, rpc: str, req: Any, key: str | None, deadline: float | None) -> Any:
+        """The reply message for a parsed request; counts it. Raises EmbedcarError."""
+        if rpc == "embed":
+            out = await self.service.embed(req.texts, api_key=key, deadline=deadline)
             emb = out.embeddings
             if req.float16:
                 data, dtype = emb.astype(_F16).tobytes(), pb.FLOAT16
             else:
                 data, dtype = emb.astype(_F32, copy=False).tobytes(), pb.FLOAT32
-            reply = pb.EmbedReply(embeddings=data, rows=emb.shape[0], dim=emb.shape[1], dtype=dtype,
-                                  model=self.service.model, cache_hits=out.cache_hits, truncated=out.truncated,
-                                  timings=pb.Timings(**out.timings_ns), backend=out.backend)
-        except EmbedcarError as exc:
-            await self._abort(context, "embed", exc)
-            raise  # unreachable: abort raises
-        except Exception as exc:  # a bug: report it as INTERNAL, never crash the server
-            await self._abort(context, "embed", Internal(f"unexpected error: {type(exc).__name__}"))
-            raise
-        self._ok_embed.inc()
-        self.metrics.observe_timings("embed", out.timings_ns)
-        return reply.SerializeToString()
-
-    async def search(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-        try:
-            req: pb.SearchRequest = _parse(pb.SearchRequest, raw)
+            reply: Any = pb.EmbedReply(embeddings=data, rows=emb.shape[0], dim=emb.shape[1], dtype=dtype,
+                                       model=self.service.model, cache_hits=out.cache_hits, truncated=out.truncated,
+                                       timings=pb.Timings(**out.timings_ns), backend=out.backend)
+            timings = out.timings_ns
+        else:
             try:  # proto3 enums are open: an unknown number parses, and is refused here
                 mode = pb.SearchMode.Name(req.mode)
             except ValueError:
                 raise InvalidInput(f"unknown search mode {req.mode}") from None
-            out = await self.service.search(req.texts, k=req.k, department=req.department, aisle=req.aisle,
-                                            mode=mode, api_key=_api_key(context), deadline=_deadline(context))
+            found = await self.service.search(req.texts, k=req.k, department=req.department, aisle=req.aisle,
+                                              mode=mode, api_key=key, deadline=deadline)
             reply = pb.SearchReply(
                 results=[pb.HitList(hits=[pb.Hit(id=h.id, score=h.score, fields=h.fields, legs=h.legs) for h in hits])
-                         for hits in out.hits],
-                model=self.service.model, index_version=out.index_version, cache_hits=out.cache_hits,
-                timings=pb.Timings(**out.timings_ns), backend=out.backend)
-        except EmbedcarError as exc:
-            await self._abort(context, "search", exc)
-            raise
-        except Exception as exc:
-            await self._abort(context, "search", Internal(f"unexpected error: {type(exc).__name__}"))
-            raise
-        self._ok_search.inc()
-        self.metrics.observe_timings("search", out.timings_ns)
-        return reply.SerializeToString()
+                         for hits in found.hits],
+                model=self.service.model, index_version=found.index_version, cache_hits=found.cache_hits,
+                timings=pb.Timings(**found.timings_ns), backend=found.backend)
+            timings = found.timings_ns
+        self._ok[rpc].inc()
+        self.metrics.observe_timings(rpc, timings)
+        return reply
+
+    def _error(self, rpc: str, exc: EmbedcarError) -> pb.StreamError:
+        self.metrics.requests.labels(rpc, exc.code).inc()
+        return pb.StreamError(code=grpc_code(exc).value[0], message=exc.message, retry_after_s=exc.retry_after_s or 0.0)
 
     async def _abort(self, context: grpc.aio.ServicerContext[Any, Any], rpc: str, exc: EmbedcarError) -> None:
         self.metrics.requests.labels(rpc, exc.code).inc()
@@ -168,6 +224,7 @@ def create_server(settings: SidecarSettings, servicer: EmbedderServicer,
         # No (de)serializers: the servicer parses bytes itself (see module docstring).
         "Embed": grpc.unary_unary_rpc_method_handler(servicer.embed),
         "Search": grpc.unary_unary_rpc_method_handler(servicer.search),
+        "Stream": grpc.stream_stream_rpc_method_handler(servicer.stream),
     }),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

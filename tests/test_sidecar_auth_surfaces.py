@@ -1,6 +1,6 @@
 """API keys on every surface of a real sidecar (and the demo in front of it); no key in any log line.
 
-Embed, Search, gRPC reflection, HTTP /v1/embeddings, HTTP /metrics and the demo websocket each get
+Embed, Search, Stream, gRPC reflection, HTTP /v1/embeddings, HTTP /metrics and the demo websocket each get
 no key, a wrong key and the right key (loadtest/faults/auth.py `probe_surfaces`, also the fault
 suite's `auth` scenario); health stays open. Every log record of the run is captured at DEBUG
 (caplog for the root logger, a LogCapture for uvicorn's loggers, which do not propagate).
@@ -45,7 +45,7 @@ def test_every_surface_needs_the_key_and_none_is_logged(keyed: tuple[Sidecar, st
     with LogCapture() as logs:
         checks = auth.probe_surfaces(car.grpc_target, car.http_port, ws_url, KEY, WRONG, lambda: logs.lines)
     by_name = {c.surface: c for c in checks}
-    assert {"gRPC Embed", "gRPC Search", "gRPC reflection", "HTTP POST /v1/embeddings (bearer)",
+    assert {"gRPC Embed", "gRPC Search", "gRPC Stream", "gRPC reflection", "HTTP POST /v1/embeddings (bearer)",
             "HTTP GET /metrics", "demo websocket (header)", "demo websocket (?api_key=)"} <= set(by_name)
     for c in checks:
         assert c.rejected and c.served, c

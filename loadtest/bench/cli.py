@@ -126,7 +126,7 @@ def _sidecar(args: argparse.Namespace) -> int:
 
 
 # --- serving --------------------------------------------------------------------------------
-SERVING_TARGETS = "floor,grpc,http,triton,infinity"  # loadtest.bench.serving.KINDS (not imported here: slow)
+SERVING_TARGETS = "floor,grpc,stream,http,triton,infinity"  # loadtest.bench.serving.KINDS (not imported here: slow)
 INFINITY_EXE = Path("var/infinity-venv/bin/infinity_emb")  # loadtest.infinity.DEFAULT_EXE
 
 

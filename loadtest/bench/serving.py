@@ -5,6 +5,7 @@ shopper queries that never repeat (QueryMix unique=True: no cache hit anywhere):
 
   floor     the model in this process (tokenize + ORT forward + pool, no server): InProcessTarget
   grpc      the sidecar's gRPC Embed, embedded backend (SidecarProcess backend=embedded)
+  stream    the same sidecar process's Embed as messages on one open gRPC Stream call
   http      the same sidecar process's HTTP POST /v1/embeddings
   triton    the sidecar's gRPC Embed over the Triton backend (TritonServer + SidecarProcess
             backend=triton); fp32 only unless --triton-variants says more
@@ -72,12 +73,12 @@ from loadtest.queries import QueryMix
 from loadtest.report import Summary, fmt_ms, save_png, summarize
 from loadtest.runner import RunConfig, run_load
 from loadtest.sweep import parse_sweep
-from loadtest.targets import HttpEmbedTarget, InProcessTarget, SidecarEmbedTarget, Target
+from loadtest.targets import HttpEmbedTarget, InProcessTarget, SidecarEmbedTarget, SidecarStreamTarget, Target
 from sidecar.settings import Settings
 
 log = logging.getLogger(__name__)
 
-KINDS = ("floor", "grpc", "http", "triton", "infinity")
+KINDS = ("floor", "grpc", "stream", "http", "triton", "infinity")
 SANITY_MIN_COSINE = 0.99
 NextTexts = Callable[[int], Sequence[str]]
 Record = dict[str, Any]
@@ -301,14 +302,14 @@ def _http_vector(url: str, model: str | None = None) -> Callable[[str], np.ndarr
     return get
 
 
-def _grpc_vector(target: str) -> Callable[[str], np.ndarray]:
-    def get(text: str) -> np.ndarray:
-        from sidecar.client import Client
+def _grpc_vector(target: str, *, stream: bool = False) -> Callable[[str], np.ndarray]:
+    async def one(text: str) -> np.ndarray:
+        from sidecar.client import AsyncClient
 
-        with Client(target) as c:
-            return np.asarray(c.embed([text], timeout_s=30.0).embeddings[0], dtype=np.float32)
+        async with AsyncClient(target, stream=stream) as c:
+            return np.asarray((await c.embed([text], timeout_s=30.0)).embeddings[0], dtype=np.float32)
 
-    return get
+    return lambda text: asyncio.run(one(text))
 
 
 def same_model_check(contenders: Sequence[Contender], ref: np.ndarray, text: str) -> dict[str, Record]:
@@ -349,7 +350,7 @@ def start_contenders(settings: Settings, cfg: ServingConfig, variant: str,
         try:
             if kind == "floor":
                 c.target = InProcessTarget(model_dir, variant=variant, threads=settings.model.intra_op_threads)
-            elif kind in ("grpc", "http"):
+            elif kind in ("grpc", "stream", "http"):
                 if sidecar is None:
                     from loadtest.stack import SidecarProcess
 
@@ -357,8 +358,10 @@ def start_contenders(settings: Settings, cfg: ServingConfig, variant: str,
                     sidecar = stack.enter_context(SidecarProcess(
                         settings, backend="embedded", variant=variant, extra_env=env,
                         log_file=logs / f"sidecar-embedded-{variant}.log"))
-                if kind == "grpc":
-                    c.target, c.vector = SidecarEmbedTarget(sidecar.grpc_target), _grpc_vector(sidecar.grpc_target)
+                if kind in ("grpc", "stream"):
+                    cls = SidecarEmbedTarget if kind == "grpc" else SidecarStreamTarget
+                    c.target = cls(sidecar.grpc_target)
+                    c.vector = _grpc_vector(sidecar.grpc_target, stream=kind == "stream")
                 else:
                     c.target = HttpEmbedTarget(sidecar.http_url)
                     c.vector = _http_vector(f"{sidecar.http_url}/v1/embeddings")
@@ -624,7 +627,8 @@ def serving_markdown(result: Record) -> str:
     return "\n".join(lines) + "\n"
 
 
-COLORS = {"floor": "black", "grpc": "tab:blue", "http": "tab:green", "triton": "tab:purple", "infinity": "tab:red"}
+COLORS = {"floor": "black", "grpc": "tab:blue", "stream": "tab:cyan",
+          "http": "tab:green", "triton": "tab:purple", "infinity": "tab:red"}
 STYLES = {"fp32": "-", "int8": "--", "fp16": ":"}
 
 

@@ -2,10 +2,10 @@
 
 A real sidecar with one API key (gRPC + HTTP + a real index) and the demo server in front of it.
 Each surface is called with no key, a wrong key and the right key:
-  gRPC Embed, gRPC Search, gRPC server reflection (v1alpha), HTTP POST /v1/embeddings (bearer and
-  x-api-key), HTTP GET /metrics (bearer: what Prometheus sends), the demo websocket (header and
-  ?api_key=). gRPC health and HTTP /health stay open by design (probes carry no key) and are
-  checked to answer without one.
+  gRPC Embed, gRPC Search, gRPC Stream (both over one call), gRPC server reflection (v1alpha),
+  HTTP POST /v1/embeddings (bearer and x-api-key), HTTP GET /metrics (bearer: what Prometheus
+  sends), the demo websocket (header and ?api_key=). gRPC health and HTTP /health stay open by
+  design (probes carry no key) and are checked to answer without one.
 Every log line of the run (DEBUG and up, uvicorn's own included) is kept; neither key, nor its
 SHA-256, may appear in one, nor in the settings' or key ring's repr.
 `probe_surfaces` is shared with tests/test_sidecar_auth_surfaces.py.
@@ -59,6 +59,20 @@ def _grpc(target: str, method: str, payload: bytes, key: str | None) -> str:
         except grpc.RpcError as exc:
             return exc.code().name if hasattr(exc, "code") else "UNKNOWN"
     return "OK"
+
+
+def _stream(target: str, key: str | None) -> str:
+    """An Embed and a Search over one Stream call: "OK" when both are answered."""
+    frames = [pb.StreamRequest(id=1, embed=pb.EmbedRequest(texts=["oat milk"])).SerializeToString(),
+              pb.StreamRequest(id=2, search=pb.SearchRequest(texts=["oat milk"], k=3)).SerializeToString()]
+    with grpc.insecure_channel(target) as channel:
+        try:
+            replies = [pb.StreamReply.FromString(r) for r in
+                       channel.stream_stream(f"/{SERVICE}/Stream")(iter(frames), timeout=30, metadata=_md(key))]
+        except grpc.RpcError as exc:
+            return exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+    kinds = {r.id: r.WhichOneof("result") for r in replies}
+    return "OK" if kinds == {1: "embed", 2: "search"} else f"replies {kinds}"
 
 
 def _reflection(target: str, key: str | None) -> str:
@@ -147,6 +161,7 @@ def probe_surfaces(grpc_target: str, http_port: int, ws_url: str, key: str, wron
     calls: dict[str, tuple[Callable[[str | None], str], str, tuple[str, ...]]] = {
         "gRPC Embed": (lambda k: _grpc(grpc_target, "Embed", embed, k), "OK", ("UNAUTHENTICATED",)),
         "gRPC Search": (lambda k: _grpc(grpc_target, "Search", search, k), "OK", ("UNAUTHENTICATED",)),
+        "gRPC Stream": (lambda k: _stream(grpc_target, k), "OK", ("UNAUTHENTICATED",)),
         "gRPC reflection": (lambda k: _reflection(grpc_target, k), "OK", ("UNAUTHENTICATED",)),
         "HTTP POST /v1/embeddings (bearer)": (lambda k: _http(http_port, "POST", "/v1/embeddings", _bearer(k), body),
                                               "200", ("401",)),

@@ -130,3 +130,37 @@ class SearchReply(_message.Message):
     timings: Timings
     backend: str
     def __init__(self, results: _Optional[_Iterable[_Union[HitList, _Mapping]]] = ..., model: _Optional[str] = ..., index_version: _Optional[str] = ..., cache_hits: _Optional[_Iterable[bool]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("id", "embed", "search", "timeout_ms")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    EMBED_FIELD_NUMBER: _ClassVar[int]
+    SEARCH_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    embed: EmbedRequest
+    search: SearchRequest
+    timeout_ms: int
+    def __init__(self, id: _Optional[int] = ..., embed: _Optional[_Union[EmbedRequest, _Mapping]] = ..., search: _Optional[_Union[SearchRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("code", "message", "retry_after_s")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    retry_after_s: float
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+
+class StreamReply(_message.Message):
+    __slots__ = ("id", "embed", "search", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    EMBED_FIELD_NUMBER: _ClassVar[int]
+    SEARCH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    embed: EmbedReply
+    search: SearchReply
+    error: StreamError
+    def __init__(self, id: _Optional[int] = ..., embed: _Optional[_Union[EmbedReply, _Mapping]] = ..., search: _Optional[_Union[SearchReply, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...

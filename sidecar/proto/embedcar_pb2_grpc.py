@@ -44,6 +44,11 @@ class EmbedderStub:
                 request_serializer=sidecar_dot_proto_dot_embedcar__pb2.SearchRequest.SerializeToString,
                 response_deserializer=sidecar_dot_proto_dot_embedcar__pb2.SearchReply.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/embedcar.v1.Embedder/Stream',
+                request_serializer=sidecar_dot_proto_dot_embedcar__pb2.StreamRequest.SerializeToString,
+                response_deserializer=sidecar_dot_proto_dot_embedcar__pb2.StreamReply.FromString,
+                _registered_method=True)
 
 
 class EmbedderServicer:
@@ -63,6 +68,17 @@ class EmbedderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stream(self, request_iterator, context):
+        """Many Embed and Search requests over one long-lived call, for clients that send a steady flow
+        of small ones: a message on an open stream costs about half a unary call's round trip in
+        Python gRPC. Requests are served concurrently, exactly as separate calls would be (the same
+        auth, rate limit, admission and micro-batching); each gets one reply carrying its id, in the
+        order they finish. A failed request gets an error reply; the stream stays open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbedderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +91,11 @@ def add_EmbedderServicer_to_server(servicer, server):
                     servicer.Search,
                     request_deserializer=sidecar_dot_proto_dot_embedcar__pb2.SearchRequest.FromString,
                     response_serializer=sidecar_dot_proto_dot_embedcar__pb2.SearchReply.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=sidecar_dot_proto_dot_embedcar__pb2.StreamRequest.FromString,
+                    response_serializer=sidecar_dot_proto_dot_embedcar__pb2.StreamReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +152,33 @@ class Embedder:
             '/embedcar.v1.Embedder/Search',
             sidecar_dot_proto_dot_embedcar__pb2.SearchRequest.SerializeToString,
             sidecar_dot_proto_dot_embedcar__pb2.SearchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/embedcar.v1.Embedder/Stream',
+            sidecar_dot_proto_dot_embedcar__pb2.StreamRequest.SerializeToString,
+            sidecar_dot_proto_dot_embedcar__pb2.StreamReply.FromString,
             options,
             channel_credentials,
             insecure,
