@@ -47,7 +47,8 @@ class SearchFn(Protocol):
 
 
 class SidecarSearch:
-    """`SearchFn` over the sidecar's gRPC `Search` (one shared channel for all connections)."""
+    """`SearchFn` over the sidecar's gRPC `Search` (one shared client for all connections; the demo's
+    sends them as messages on one open Stream call)."""
 
     def __init__(self, client: AsyncClient) -> None:
         self._client = client

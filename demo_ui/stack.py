@@ -112,7 +112,8 @@ async def serve(prepared: Prepared, say: Say, *, stop: asyncio.Event | None = No
         car = Sidecar(settings)
         await car.start()
         stack.push_async_callback(car.stop, settings.sidecar.grace_s)
-        client = await stack.enter_async_context(AsyncClient(car.grpc_target))
+        # Every keystroke is one small Search: messages on one open Stream halve the gRPC round trip.
+        client = await stack.enter_async_context(AsyncClient(car.grpc_target, stream=True))
         info = {"backend": prepared.backend, "model": prepared.model_id, "index": prepared.index_dir.name}
         # The private sidecar has no keys (loopback only); the page's websocket takes the configured ones.
         keys = KeyRing.from_settings(prepared.settings.sidecar)

@@ -23,8 +23,9 @@ from inference.embedder import load_tokenizer
 from inference.errors import InvalidInput
 from inference.flags import flag_overrides
 from inference.manifest import load_manifest
+from loadtest.proc_cpu import CpuMeter
 from loadtest.queries import QueryMix
-from loadtest.report import Summary, markdown, summarize, write_comparison, write_run
+from loadtest.report import Summary, cpu_per_request, markdown, summarize, write_comparison, write_run
 from loadtest.runner import RunConfig, run_load
 from loadtest.schedule import ARRIVALS
 from loadtest.stack import TargetSpec, start_stack
@@ -95,6 +96,9 @@ def register(sub: Any) -> None:
     rep.add_argument("--log-dir", type=Path, default=Path("var/loadtest"),
                      help="server logs of a --start-stack run (kept out of the report folder)")
     rep.add_argument("--name", default=None, help="report file name (default: from target and rate)")
+    rep.add_argument("--triton-trace", type=Path, default=None, metavar="FILE",
+                     help="with --start-stack: the started tritonserver traces every request into FILE, and the "
+                          "report adds per-phase P50/P95 inside Triton over the measured window")
     rep.add_argument("--sla-ms", type=float, default=20.0, help="P95 budget, end to end (default 20)")
     rep.add_argument("--max-error-share", type=float, default=0.01, help="errors allowed by the SLA (default 1%%)")
     add_model_flags(p)
@@ -154,9 +158,15 @@ def main(args: argparse.Namespace) -> int:
     for spec in specs:
         name = args.name if args.name and len(specs) == 1 else \
             f"{spec.label.replace(':', '-')}-{variant}-{args.rate:g}qps-{cache_tag}"
+        pids: dict[str, int] = {}
+        trace = args.triton_trace if args.start_stack else None
+        if trace is not None:
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            trace.unlink(missing_ok=True)  # tritonserver appends
         with contextlib.ExitStack() as stack:
             target = (start_stack(spec, settings, stack, variant=variant, api_key=api_key, k=args.k,
-                                  index_dir=args.index_dir, log_dir=args.log_dir, infinity_exe=args.infinity_exe)
+                                  index_dir=args.index_dir, log_dir=args.log_dir, infinity_exe=args.infinity_exe,
+                                  pids=pids, triton_trace=trace)
                       if args.start_stack else _remote_target(spec, args, settings, api_key))
             if rates:
                 sname = f"{args.name or spec.label.replace(':', '-')}-{variant}-sweep-{cache_tag}"
@@ -167,9 +177,18 @@ def main(args: argparse.Namespace) -> int:
                 print(paths["md"].read_text())
                 print(f"reports: {', '.join(str(p) for p in paths.values())}")
                 continue
+            meter = CpuMeter(pids)
+            meter.start()
             result = asyncio.run(_run(target, texts, config))
+            server_cpu = meter.stop()
         summary = summarize(result, name=name, sla_ms=args.sla_ms, max_error_share=args.max_error_share)
         summary["target"]["spec"] = spec.label
+        summary["cpu_ms_per_request"] = cpu_per_request(result, server_cpu)
+        if trace is not None and "tritonserver" in pids:  # the file is written as tritonserver stops
+            from inference.triton.repository import ENSEMBLE
+            from inference.triton.trace import phase_table
+
+            summary["triton_phases_us"] = phase_table(trace, ensemble=ENSEMBLE, window_ns=result.window_ns)
         paths = write_run(result, summary, args.out)
         print(markdown(summary))
         print(f"reports: {', '.join(str(p) for p in paths.values())}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -175,6 +176,12 @@ def fmt_ms(x: float | None, digits: int = 2) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
+def cpu_per_request(result: RunResult, servers_s: dict[str, float]) -> dict[str, float]:
+    """CPU ms per request (warm-up included) of the generator and of each started server."""
+    n = max(len(result.samples), 1)
+    return {"load generator": result.generator_cpu_s * 1e3 / n} | {k: v * 1e3 / n for k, v in servers_s.items()}
+
+
 def markdown(s: Summary) -> str:
     cfg, lat, gen, sla = s["config"], s["latency_ms"], s["generator"], s["sla"]
     verdict = "PASS" if sla["pass"] else "FAIL"
@@ -215,6 +222,21 @@ def markdown(s: Summary) -> str:
                   f"| {r['queue_us']:.0f} | {r['compute_input_us']:.0f} | {r['compute_infer_us']:.0f} "
                   f"| {r['compute_output_us']:.0f} | {r['success_us']:.0f} |" for m, r in s["triton"].items()]
         lines.append("")
+    if s.get("triton_phases_us"):
+        lines += ["## Inside Triton, per request (its traces, measured window), P50 / P95 µs", "",
+                  "| model | phase | P50 µs | P95 µs |", "|---|---|---:|---:|"]
+        lines += [f"| {m} | {ph} | {p50:.0f} | {p95:.0f} |" for m, phases in s["triton_phases_us"].items()
+                  for ph, (p50, p95) in phases.items()]
+        lines.append("")
+    if s.get("cpu_ms_per_request"):
+        cores = os.cpu_count() or 1
+        rate = s["config"]["rate"]
+        lines += [f"## CPU per request (warm-up included), against {cores} cores at {rate:g}/s", "",
+                  "| process | CPU ms per request | share of the machine |", "|---|---:|---:|"]
+        cpu = s["cpu_ms_per_request"]
+        lines += [f"| {k} | {v:.2f} | {v * rate / 1e3 / cores:.0%} |" for k, v in cpu.items()]
+        total = sum(cpu.values())
+        lines += [f"| **all** | **{total:.2f}** | **{total * rate / 1e3 / cores:.0%}** |", ""]
     lines += [
         "## Load generator",
         "",

@@ -74,6 +74,8 @@ class RunResult:
     stats_before: dict[str, dict[str, int]] | None = None
     stats_after: dict[str, dict[str, int]] | None = None
     errors_seen: dict[str, str] = field(default_factory=dict)  # code -> one example message
+    # The measured window on the time.monotonic_ns() clock (the one Triton's traces are stamped with).
+    window_ns: tuple[int, int] | None = None
 
     @property
     def measured(self) -> list[Sample]:
@@ -147,6 +149,8 @@ async def run_load(target: Target, texts: Sequence[str], config: RunConfig) -> R
     lags = await pace(offsets, release, start=start, spin_s=config.spin_ms / 1e3, clock=clock)
     if tasks:
         await asyncio.gather(*list(tasks))
+    to_mono = time.monotonic() - clock()
+    window_ns = (int((start + config.warmup_s + to_mono) * 1e9), int((clock() + to_mono) * 1e9))
     if snap is not None:
         await snap
     stats_after = await target.server_stats()
@@ -157,5 +161,5 @@ async def run_load(target: Target, texts: Sequence[str], config: RunConfig) -> R
     # Pacer lag of measured requests only: warm-up is allowed to be rough.
     pacer = pacer_report(lags[offsets >= config.warmup_s], late_ms=config.late_ms)
     return RunResult(target.describe(), config, done, pacer, wall, _cpu_s() - cpu0,
-                     stats_box["before"], stats_after, errors_seen)
+                     stats_box["before"], stats_after, errors_seen, window_ns)
 

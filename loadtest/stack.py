@@ -164,8 +164,14 @@ class SidecarProcess:
 
 def start_stack(spec: TargetSpec, settings: Settings, stack: contextlib.ExitStack, *, variant: str,
                 api_key: str | None = None, k: int = 10, index_dir: Path | None = None,
-                log_dir: Path | None = None, infinity_exe: Path | None = None) -> Target:
-    """Start what `spec` needs (entered on `stack`, so leaving it stops everything) -> its target."""
+                log_dir: Path | None = None, infinity_exe: Path | None = None,
+                pids: dict[str, int] | None = None, triton_trace: Path | None = None) -> Target:
+    """Start what `spec` needs (entered on `stack`, so leaving it stops everything) -> its target.
+
+    `pids` receives each started server's process id by name (loadtest.proc_cpu measures them);
+    `triton_trace`: a started tritonserver traces every request into that file (written when it stops).
+    """
+    started: dict[str, int] = {} if pids is None else pids
     if spec.target == "stub":
         return StubTarget()
     model_dir = settings.model.model_dir
@@ -176,19 +182,25 @@ def start_stack(spec: TargetSpec, settings: Settings, stack: contextlib.ExitStac
     if spec.target == "baseline":
         base = stack.enter_context(BaselineServer(model_dir, variant=variant, threads=settings.model.intra_op_threads,
                                                   log_file=logs / "baseline.log"))
+        _note(started, "baseline", base.pid)
         return HttpEmbedTarget(base.url, name="baseline")
     if spec.target == "infinity":
         from loadtest.infinity import DEFAULT_EXE, InfinityServer
 
         inf = stack.enter_context(InfinityServer(model_dir, variant, exe=infinity_exe or DEFAULT_EXE,
                                                  log_file=logs / f"infinity-{variant}.log"))
+        _note(started, "infinity", inf.pid)
         return HttpEmbedTarget(inf.url, name="infinity", path="/embeddings", model=inf.served_name)
     triton_url: str | None = None
     if spec.target == "triton" or spec.backend == "triton":
         from inference.triton.launcher import TritonServer
 
         log.info("starting tritonserver (%s)", variant)
-        server = stack.enter_context(TritonServer(settings, variant=variant))
+        from inference.triton.trace import trace_args
+
+        extra = trace_args(triton_trace.resolve()) if triton_trace is not None else ()
+        server = stack.enter_context(TritonServer(settings, variant=variant, extra_args=extra))
+        _note(started, "tritonserver", server.pid)
         triton_url = server.grpc_url
     if spec.target == "triton":
         assert triton_url is not None
@@ -206,6 +218,7 @@ def start_stack(spec: TargetSpec, settings: Settings, stack: contextlib.ExitStac
     log.info("starting the sidecar (%s backend, %s)", spec.backend, variant)
     sc = stack.enter_context(SidecarProcess(settings, backend=spec.backend, variant=variant, triton_url=triton_url,
                                             index_dir=index_dir, log_file=logs / f"sidecar-{spec.backend}.log"))
+    _note(started, "sidecar", sc.pid)
     if spec.target == "sidecar-search":
         return SidecarSearchTarget(sc.grpc_target, api_key=api_key, k=k, triton_stats_url=triton_url)
     if spec.target == "http":
@@ -213,3 +226,8 @@ def start_stack(spec: TargetSpec, settings: Settings, stack: contextlib.ExitStac
     if spec.target == "sidecar-stream":
         return SidecarStreamTarget(sc.grpc_target, api_key=api_key, triton_stats_url=triton_url)
     return SidecarEmbedTarget(sc.grpc_target, api_key=api_key, triton_stats_url=triton_url)
+
+
+def _note(pids: dict[str, int], name: str, pid: int | None) -> None:
+    if pid is not None:
+        pids[name] = pid

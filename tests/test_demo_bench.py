@@ -22,8 +22,8 @@ async def test_bench_types_queries_and_times_every_answer(inprocess_search: InPr
     assert s["keystrokes_sent"] == sum(len(q) for q in queries)
     assert s["answered"] + s["superseded"] == s["keystrokes_sent"]
     assert s["lost"] == 0 and not s["errors"]
-    assert set(s["stages"]) == {"total", "network", "server", "cache", "tokenize", "queue", "inference", "search",
-                                "lexical"}
+    assert set(s["stages"]) == {"total", "sidecar", "hops", "network", "server", "cache", "tokenize", "queue",
+                                "inference", "search", "lexical"}
     total = s["stages"]["total"]
     assert 0 < total["p50_ms"] <= total["p95_ms"] <= total["p99_ms"]
     assert "P95 per keystroke" in format_summary({**s}, 20.0)
@@ -35,7 +35,8 @@ def test_breakdown_adds_up_to_the_client_total() -> None:
     parts = breakdown(reply, 9.0)
     assert parts["network"] == pytest.approx(3.0)
     assert parts["server"] == pytest.approx(2.0)
-    assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(9.0)
+    assert parts["sidecar"] == pytest.approx(4.5) and parts["hops"] == pytest.approx(4.5)
+    assert sum(v for k, v in parts.items() if k not in ("total", "sidecar", "hops")) == pytest.approx(9.0)
 
 
 def test_percentile_nearest_rank() -> None:

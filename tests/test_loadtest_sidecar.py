@@ -60,3 +60,27 @@ def test_start_stack_runs_a_sidecar_process_and_stops_it(tmp_path: Path, model_d
     assert rc == 0 and summary["ok"] == 5
     assert summary["target"]["spec"] == "http:embedded"
     assert (tmp_path / "logs" / "sidecar-embedded.log").exists()
+
+
+@pytest.mark.slow
+def test_stream_over_triton_reports_triton_phases_and_cpu_per_process(tmp_path: Path, model_dir: Path) -> None:
+    from inference.triton.launcher import triton_unavailable_reason
+
+    if reason := triton_unavailable_reason():
+        pytest.skip(reason)
+    trace = tmp_path / "trace.json"
+    rc = cli_main(["loadtest", "--start-stack", "--target", "sidecar-stream:triton", "--rate", "10", "--duration",
+                   "1.5", "--warmup", "0.5", "--no-cache", "--deadline-ms", "30000", "--sla-ms", "30000",
+                   "--models-dir", str(model_dir.parent), "--out", str(tmp_path), "--name", "traced",
+                   "--log-dir", str(tmp_path / "logs"), "--triton-trace", str(trace)])
+    summary = json.loads((tmp_path / "traced.json").read_text())
+    assert rc == 0 and summary["ok"] == 15, summary["error_examples"]
+    phases = summary["triton_phases_us"]
+    assert {"embedder", "encoder"} <= set(phases), phases
+    whole = phases["embedder"]["whole request in the server"]
+    execute = phases["encoder"]["execute (Python-backend round trip)"]
+    assert 0 < execute[0] < whole[0]  # the encoder's forward is part of the request's time in Triton
+    cpu = summary["cpu_ms_per_request"]
+    assert set(cpu) == {"load generator", "sidecar", "tritonserver"}
+    assert cpu["tritonserver"] > 1.0  # the forward runs in Triton's stub: milliseconds of CPU per query
+    assert "Inside Triton" in (tmp_path / "traced.md").read_text()

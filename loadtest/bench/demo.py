@@ -4,7 +4,9 @@ Types N shopper queries letter by letter (one keystroke every `key_interval_ms`,
 would, not waiting for answers), on one connection like one browser tab, and measures each
 answered keystroke the way the page does: total = client round trip; network = total - server
 time; server = server time - sidecar stages; then the sidecar's cache / tokenize / queue /
-inference / search. Superseded keystrokes are counted, not timed (they were never computed).
+inference / search. Also: sidecar = the sidecar's own Search total, hops = total - sidecar (what
+the demo adds: the page's websocket, the demo server and its call to the sidecar). Superseded
+keystrokes are counted, not timed (they were never computed).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from inference.errors import InvalidInput, Unavailable
 from inference.files import atomic_write_text
 
 QUERIES_FILE = Path(__file__).resolve().parent / "typist_queries.txt"
-BREAKDOWN = ("total", "network", "server", *STAGES)
+BREAKDOWN = ("total", "sidecar", "hops", "network", "server", *STAGES)
 
 
 def load_queries(path: Path = QUERIES_FILE) -> list[str]:
@@ -90,8 +92,11 @@ def breakdown(reply: dict[str, Any], total_ms: float) -> dict[str, float]:
     timings = reply.get("timings_ns") or {}
     stages = {k: float(timings.get(k, 0)) / 1e6 for k in STAGES}
     server_ms = float(reply.get("server_ms", 0.0))
+    sidecar_ms = float(timings.get("total", 0)) / 1e6
     return {
         "total": total_ms,
+        "sidecar": sidecar_ms,
+        "hops": max(0.0, total_ms - sidecar_ms),
         "network": max(0.0, total_ms - server_ms),
         "server": max(0.0, server_ms - sum(stages.values())),
         **stages,
