@@ -1,18 +1,23 @@
 """What the demo server needs from search: one async call, text -> products + per-stage timings.
 
 The websocket logic depends only on `SearchFn`, so it can be exercised against any real
-implementation; `SidecarSearch` is the one the demo runs (the sidecar's `Search` over gRPC).
+implementation. `ServiceSearch` is the one `embedcar demo` runs: its sidecar lives in the demo
+server's process, so a keystroke calls the sidecar's service directly (its auth, rate limit,
+pipeline and index, no gRPC round trip). `SidecarSearch` calls a sidecar elsewhere over gRPC.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from catalog.fusion import SearchMode
 
 if TYPE_CHECKING:
+    from catalog.index import Hit
     from sidecar.client import AsyncClient
+    from sidecar.service import EmbedService
 
 # Sidecar stages the page draws as bar segments (the sidecar's own `total` is kept separately).
 STAGES: tuple[str, ...] = ("cache", "tokenize", "queue", "inference", "search", "lexical")
@@ -46,25 +51,33 @@ class SearchFn(Protocol):
         ...
 
 
+def _outcome(hits: list[list[Hit]], timings_ns: dict[str, int], cache_hits: list[bool], model: str,
+             index_version: str) -> SearchOutcome:
+    products = [Product(title=h.fields.get("title", h.id), aisle=h.fields.get("aisle", ""),
+                        department=h.fields.get("department", ""), score=float(h.score), legs=h.legs)
+                for h in (hits[0] if hits else [])]
+    return SearchOutcome(products=products, timings_ns={k: int(v) for k, v in timings_ns.items()},
+                         cache_hit=bool(cache_hits[0]) if cache_hits else False, model=model,
+                         index_version=index_version)
+
+
 class SidecarSearch:
-    """`SearchFn` over the sidecar's gRPC `Search` (one shared client for all connections; the demo's
-    sends them as messages on one open Stream call)."""
+    """`SearchFn` over a sidecar's gRPC `Search` (one shared client for all connections)."""
 
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
     async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchOutcome:
         res = await self._client.search([text], k=k, mode=mode, timeout_s=timeout_s)
-        hits = res.hits[0] if res.hits else []
-        products = [
-            Product(title=h.fields.get("title", h.id), aisle=h.fields.get("aisle", ""),
-                    department=h.fields.get("department", ""), score=float(h.score), legs=h.legs)
-            for h in hits
-        ]
-        return SearchOutcome(
-            products=products,
-            timings_ns={k_: int(v) for k_, v in res.timings_ns.items()},
-            cache_hit=bool(res.cache_hits[0]) if res.cache_hits else False,
-            model=res.model,
-            index_version=res.index_version,
-        )
+        return _outcome(res.hits, res.timings_ns, res.cache_hits, res.model, res.index_version)
+
+
+class ServiceSearch:
+    """`SearchFn` straight into the sidecar's service in this process (what `embedcar demo` runs)."""
+
+    def __init__(self, service: EmbedService) -> None:
+        self._service = service
+
+    async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchOutcome:
+        res = await self._service.search([text], k=k, mode=mode, deadline=time.monotonic() + timeout_s)
+        return _outcome(res.hits, res.timings_ns, res.cache_hits, self._service.model, res.index_version)

@@ -94,11 +94,10 @@ def sidecar_settings(settings: Settings, index_dir: Path) -> Settings:
 async def serve(prepared: Prepared, say: Say, *, stop: asyncio.Event | None = None,
                 on_ready: Callable[[str], None] | None = None) -> None:
     """Sidecar + demo web server until `stop` is set (or SIGINT/SIGTERM)."""
-    from demo_ui.search import SidecarSearch
+    from demo_ui.search import ServiceSearch
     from demo_ui.server import build_server, create_app
     from sidecar.app import Sidecar
     from sidecar.auth import KeyRing
-    from sidecar.client import AsyncClient
 
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -112,12 +111,10 @@ async def serve(prepared: Prepared, say: Say, *, stop: asyncio.Event | None = No
         car = Sidecar(settings)
         await car.start()
         stack.push_async_callback(car.stop, settings.sidecar.grace_s)
-        # Every keystroke is one small Search: messages on one open Stream halve the gRPC round trip.
-        client = await stack.enter_async_context(AsyncClient(car.grpc_target, stream=True))
         info = {"backend": prepared.backend, "model": prepared.model_id, "index": prepared.index_dir.name}
         # The private sidecar has no keys (loopback only); the page's websocket takes the configured ones.
         keys = KeyRing.from_settings(prepared.settings.sidecar)
-        server = build_server(create_app(demo, SidecarSearch(client), info=info, keys=keys), demo)
+        server = build_server(create_app(demo, ServiceSearch(car.service), info=info, keys=keys), demo)
         task = asyncio.create_task(server.serve())
         stack.push_async_callback(_stop_server, server, task)
         while not server.started:

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from websockets.asyncio.client import connect
 
-from demo_ui.search import SidecarSearch
+from catalog.fusion import SearchMode
+from demo_ui.search import ServiceSearch, SidecarSearch
 from demo_ui.settings import Settings
 from demo_ui.stack import Prepared, choose_backend, prepare, serve
 from inference.errors import FailedPrecondition, Unavailable
@@ -44,6 +45,21 @@ async def test_websocket_round_trip_through_the_sidecar(sidecar_search_target: s
         await ws.send(json.dumps({"seq": 3, "text": "greek yog", "mode": "semantic"}))
         semantic = json.loads(await asyncio.wait_for(ws.recv(), 30))
         assert all(r["legs"] == ["semantic"] for r in semantic["results"]) and semantic["timings_ns"]["lexical"] == 0
+
+
+async def test_in_process_search_equals_the_grpc_search(sidecar_search_target: str) -> None:
+    """`embedcar demo` calls its own sidecar's service directly: the same products as over gRPC."""
+    from sidecar.client import AsyncClient
+
+    thread = _SHARED["thread"]
+    direct = ServiceSearch(thread.sidecar.service)
+    for mode in (SearchMode.HYBRID, SearchMode.SEMANTIC):
+        here = thread.call(direct("greek yogurt honey", k=5, timeout_s=30, mode=mode))  # on the sidecar's loop
+        async with AsyncClient(sidecar_search_target) as client:
+            remote = await SidecarSearch(client)("greek yogurt honey", k=5, timeout_s=30, mode=mode)
+        assert [p.title for p in here.products] == [p.title for p in remote.products] and len(here.products) == 5
+        assert here.model == remote.model and here.index_version == remote.index_version
+        assert set(here.timings_ns) == set(remote.timings_ns)
 
 
 async def test_sidecar_down_is_an_error_message_not_a_crash(unused_tcp_port: int) -> None:

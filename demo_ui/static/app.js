@@ -104,7 +104,7 @@ function stageBreakdown(msg, rtt) {
     out[k] = (t[k] || 0) / 1e6;
     sidecar += out[k];
   }
-  out.server = Math.max(0, msg.server_ms - sidecar);   // demo server + gRPC hop + sidecar glue
+  out.server = Math.max(0, msg.server_ms - sidecar);   // demo server + sidecar glue (the demo runs its sidecar in-process; over gRPC elsewhere)
   out.network = Math.max(0, rtt - msg.server_ms);      // browser <-> demo server
   return out;
 }
