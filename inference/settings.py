@@ -55,6 +55,11 @@ class ModelSettings:
         True, "Embedded backend (in-process ORT): let its threads spin between calls. The ORT inside "
         "Triton's CPU encoder has its own: triton.ort_spinning."
     )
+    ort_spin_us: int = setting(
+        0, "Embedded backend, with ort_spinning: how long an idle ORT thread spins before it sleeps "
+        "(session.intra_op.spin_duration_us); 0 = ORT's own default, which at 100 requests/s keeps "
+        "one thread spinning from each call to the next."
+    )
     max_texts_per_call: int = setting(
         256, "Most texts one embedding call may carry: a sidecar request or `embedcar embed` (more: "
         "INVALID_ARGUMENT), and a backend call unless its caller sets a cap. Not the forward-pass size: "
@@ -103,6 +108,10 @@ class TritonSettings:
     ort_spinning: bool = setting(
         False, "CPU target: let the ORT threads inside the Python-backend encoder spin between ops (off: "
         "shared cores stay free). The embedded backend has its own: model.ort_spinning."
+    )
+    ort_spin_us: int = setting(
+        0, "CPU target, with ort_spinning: how long an idle encoder ORT thread spins before it sleeps "
+        "(session.intra_op.spin_duration_us); 0 = ORT's own default."
     )
     shm_default_mb: int = setting(16, "Python backend shared-memory region per stub at start (MiB).")
     shm_growth_mb: int = setting(64, "Python backend shared-memory growth step (MiB).")

@@ -176,7 +176,9 @@ def start_stack(spec: TargetSpec, settings: Settings, stack: contextlib.ExitStac
         return StubTarget()
     model_dir = settings.model.model_dir
     if spec.target == "inprocess":
-        return InProcessTarget(model_dir, variant=variant, threads=settings.model.intra_op_threads)
+        m = settings.model
+        return InProcessTarget(model_dir, variant=variant, threads=m.intra_op_threads, spinning=m.ort_spinning,
+                               spin_us=m.ort_spin_us)
     logs = log_dir or Path("var/loadtest")
     logs.mkdir(parents=True, exist_ok=True)
     if spec.target == "baseline":

@@ -243,10 +243,12 @@ class InProcessTarget(Target):
 
     name = "inprocess"
 
-    def __init__(self, model_dir: Path, *, variant: str | None = None, threads: int = 0) -> None:
+    def __init__(self, model_dir: Path, *, variant: str | None = None, threads: int = 0, spinning: bool = True,
+                 spin_us: int = 0) -> None:
         self.model_dir = model_dir
         self.variant = variant
         self.threads = threads
+        self.spinning, self.spin_us = spinning, spin_us  # as the sidecar's embedded backend (model.ort_*)
         self._embedder: Any = None
 
     async def start(self) -> None:
@@ -255,7 +257,8 @@ class InProcessTarget(Target):
         from inference.manifest import load_manifest
 
         manifest = load_manifest(self.model_dir)
-        backend = OnnxBackend(self.model_dir, manifest, variant=self.variant, threads=self.threads)
+        backend = OnnxBackend(self.model_dir, manifest, variant=self.variant, threads=self.threads,
+                              spinning=self.spinning, spin_us=self.spin_us)
         await backend.start()
         self._embedder = Embedder(load_tokenizer(self.model_dir, manifest), backend)
 

@@ -126,12 +126,14 @@ def test_excluding_special_pooling_wires_input_ids(settings: Settings, manifest:
 def test_settings_drive_batching_and_instances(settings: Settings, manifest: Manifest, model_dir: Path,
                                                tmp_path: Path) -> None:
     s = settings.with_section("triton", max_queue_delay_us=250, preferred_batch_sizes=(64, 2, 512),
-                              cpu_instances=3, ort_threads=1, max_batch_size=128)
+                              cpu_instances=3, ort_threads=1, max_batch_size=128, ort_spinning=True, ort_spin_us=2000)
     enc = _configs(generate_repository(s, manifest, model_dir, out_dir=tmp_path, target="cpu"))[ENCODER]
     assert enc.dynamic_batching.max_queue_delay_microseconds == 250
     assert list(enc.dynamic_batching.preferred_batch_size) == [2, 64]  # 512 > max_batch_size dropped
     assert enc.instance_group[0].count == 3 and enc.parameters["intra_op_threads"].string_value == "1"
     assert enc.max_batch_size == 128
+    assert enc.parameters["allow_spinning"].string_value == "1"
+    assert enc.parameters["spin_duration_us"].string_value == "2000"
 
 
 @pytest.mark.parametrize("cores", [1, 2, 3, 8, 16])

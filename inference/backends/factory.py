@@ -42,7 +42,7 @@ def make_backend(settings: Settings, kind: str, *, max_batch: int | None = None,
 
         return OnnxBackend(m.model_dir, manifest, variant=m.variant, threads=m.intra_op_threads,
                            max_batch=max_batch or m.max_texts_per_call,
-                           spinning=m.ort_spinning if spinning is None else spinning)
+                           spinning=m.ort_spinning if spinning is None else spinning, spin_us=m.ort_spin_us)
     try:
         triton = importlib.import_module("inference.backends.triton")
     except ImportError as exc:

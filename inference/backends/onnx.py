@@ -18,7 +18,7 @@ from inference.pooling import pool
 from inference.tokenizer import TokenBatch
 
 
-def make_session(path: Path, threads: int, spinning: bool = True) -> Any:
+def make_session(path: Path, threads: int, spinning: bool = True, spin_us: int = 0) -> Any:
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -30,6 +30,8 @@ def make_session(path: Path, threads: int, spinning: bool = True) -> Any:
     # Spinning threads answer the next call sooner but hold both cores for a while after each
     # call, which the event loop sharing those cores pays for (see docs/benchmarks.md).
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    if spinning and spin_us > 0:  # bounded: spin through a forward's gaps between ops, not the idle time after it
+        opts.add_session_config_entry("session.intra_op.spin_duration_us", str(spin_us))
     try:
         return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     except Exception as exc:  # ORT raises its own untyped errors for unreadable graphs
@@ -41,12 +43,13 @@ class OnnxBackend(Backend):
     runs_inline = True
 
     def __init__(self, model_dir: Path, manifest: Manifest, *, variant: str | None = None,
-                 threads: int = 0, max_batch: int = 256, spinning: bool = True) -> None:
+                 threads: int = 0, max_batch: int = 256, spinning: bool = True, spin_us: int = 0) -> None:
         self.manifest = manifest
         self.variant_name = variant or manifest.default_variant
         self._path = model_dir / manifest.variant(self.variant_name).file
         self._threads = threads
         self._spinning = spinning
+        self._spin_us = spin_us
         self.version_id = manifest.variant_id(self.variant_name)
         self.dim = manifest.dim
         self.max_batch = max_batch
@@ -61,7 +64,7 @@ class OnnxBackend(Backend):
     # --- lifecycle -------------------------------------------------------------------------
     def load(self) -> None:
         if self._sess is None:
-            sess = make_session(self._path, self._threads, self._spinning)
+            sess = make_session(self._path, self._threads, self._spinning, self._spin_us)
             self._inputs = tuple(i.name for i in sess.get_inputs())
             self._sess = sess
 

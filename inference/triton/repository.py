@@ -131,6 +131,7 @@ def encoder_config(settings: Settings, manifest: Manifest, model_dir: Path, *, t
     _param(cfg, "onnx_path", onnx)
     _param(cfg, "intra_op_threads", sizing.ort_threads)
     _param(cfg, "allow_spinning", int(t.ort_spinning))
+    _param(cfg, "spin_duration_us", t.ort_spin_us)
     _param(cfg, "sys_path", os.pathsep.join(sys_path))
     if pooled_in_encoder(settings, target):
         # Both outputs stay available; the stub computes only those a request asks for.

@@ -244,11 +244,11 @@ async def sweep_targets(contenders: Sequence[Contender], rates: Sequence[float],
 # --- ceiling and same-model check -------------------------------------------------------------
 
 def measure_ceiling(model_dir: Path, manifest: Manifest, tokenizer: QueryTokenizer, variant: str,
-                    texts: Sequence[str], *, probe: str, threads: int, spinning: bool = True, batch: int = 32,
-                    seconds: float = 3.0, warmup_batches: int = 5) -> tuple[Record, np.ndarray]:
+                    texts: Sequence[str], *, probe: str, threads: int, spinning: bool = True, spin_us: int = 0,
+                    batch: int = 32, seconds: float = 3.0, warmup_batches: int = 5) -> tuple[Record, np.ndarray]:
     """Batched queries/s of the model alone in this process, and `probe` embedded the floor's way
     (the reference of the same-model check). Its ORT session is closed before it returns."""
-    backend = OnnxBackend(model_dir, manifest, variant=variant, threads=threads, spinning=spinning)
+    backend = OnnxBackend(model_dir, manifest, variant=variant, threads=threads, spinning=spinning, spin_us=spin_us)
     backend.warm_up()
 
     def embed(chunk: Sequence[str]) -> tuple[np.ndarray, int]:
@@ -341,7 +341,8 @@ def start_contenders(settings: Settings, cfg: ServingConfig, variant: str,
     logs.mkdir(parents=True, exist_ok=True)
     # The flags' model settings reach the child processes too (SidecarProcess passes only the model).
     env = {env_name("model", "intra_op_threads"): str(settings.model.intra_op_threads),
-           env_name("model", "ort_spinning"): "1" if settings.model.ort_spinning else "0"}
+           env_name("model", "ort_spinning"): "1" if settings.model.ort_spinning else "0",
+           env_name("model", "ort_spin_us"): str(settings.model.ort_spin_us)}
     out: list[Contender] = []
     sidecar: Any = None
     for kind in kinds:
@@ -349,7 +350,9 @@ def start_contenders(settings: Settings, cfg: ServingConfig, variant: str,
         out.append(c)
         try:
             if kind == "floor":
-                c.target = InProcessTarget(model_dir, variant=variant, threads=settings.model.intra_op_threads)
+                m = settings.model
+                c.target = InProcessTarget(model_dir, variant=variant, threads=m.intra_op_threads,
+                                           spinning=m.ort_spinning, spin_us=m.ort_spin_us)
             elif kind in ("grpc", "stream", "http"):
                 if sidecar is None:
                     from loadtest.stack import SidecarProcess
@@ -460,7 +463,8 @@ def run_serving(settings: Settings, cfg: ServingConfig, *, out_dir: Path,
         probe = mix.next()
         ceiling, reference = measure_ceiling(model_dir, manifest, tokenizer, variant, mix.take(cfg.ceiling_batch * 32),
                                              probe=probe, threads=settings.model.intra_op_threads,
-                                             spinning=settings.model.ort_spinning, batch=cfg.ceiling_batch,
+                                             spinning=settings.model.ort_spinning,
+                                             spin_us=settings.model.ort_spin_us, batch=cfg.ceiling_batch,
                                              seconds=cfg.ceiling_s)
         result["ceilings"][variant] = ceiling
         with contextlib.ExitStack() as stack:

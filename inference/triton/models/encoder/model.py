@@ -50,6 +50,8 @@ class TritonPythonModel:
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         # Spinning threads burn the cores other stubs and the server need between requests.
         opts.add_session_config_entry("session.intra_op.allow_spinning", params.get("allow_spinning", "0"))
+        if params.get("allow_spinning") == "1" and int(params.get("spin_duration_us", "0")) > 0:
+            opts.add_session_config_entry("session.intra_op.spin_duration_us", params["spin_duration_us"])
         opts.log_severity_level = 3
         self.sess: Any = ort.InferenceSession(params["onnx_path"], opts, providers=["CPUExecutionProvider"])
         self.inputs = [i.name for i in self.sess.get_inputs()]
