@@ -1,0 +1,26 @@
+"""`embedcar bench transport`: an echo over raw TCP, a gRPC unary call and a gRPC stream message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from inference.cli_main import main as cli_main
+from loadtest.bench.transport import TRANSPORTS, markdown, run
+
+
+def test_every_transport_echoes_and_is_timed() -> None:
+    result = run(rounds=1, block=5, gap_ms=1.0)
+    assert tuple(result) == TRANSPORTS
+    for figures in result.values():
+        assert 0 < figures["p50_ms"] <= figures["p95_ms"] < 1000
+        assert figures["client_cpu_ms"] > 0
+    table = markdown(result, rounds=1, block=5, gap_ms=1.0)
+    assert [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "ms" not in line
+            and not line.startswith("|---")] == list(TRANSPORTS)
+
+
+def test_cli_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    assert cli_main(["bench", "transport", "--rounds", "1", "--block", "3", "--gap-ms", "1", "--json", str(out)]) == 0
+    assert set(json.loads(out.read_text())) == set(TRANSPORTS)
