@@ -166,33 +166,38 @@ class EmbedderServicer:
 
     async def _handle(self, rpc: str, req: Any, key: str | None, deadline: float | None) -> Any:
         """The reply message for a parsed request; counts it. Raises EmbedcarError."""
-        if rpc == "embed":
-            out = await self.service.embed(req.texts, api_key=key, deadline=deadline)
-            emb = out.embeddings
-            if req.float16:
-                data, dtype = emb.astype(_F16).tobytes(), pb.FLOAT16
-            else:
-                data, dtype = emb.astype(_F32, copy=False).tobytes(), pb.FLOAT32
-            reply: Any = pb.EmbedReply(embeddings=data, rows=emb.shape[0], dim=emb.shape[1], dtype=dtype,
-                                       model=self.service.model, cache_hits=out.cache_hits, truncated=out.truncated,
-                                       timings=pb.Timings(**out.timings_ns), backend=out.backend)
-            timings = out.timings_ns
-        else:
-            try:  # proto3 enums are open: an unknown number parses, and is refused here
-                mode = pb.SearchMode.Name(req.mode)
-            except ValueError:
-                raise InvalidInput(f"unknown search mode {req.mode}") from None
-            found = await self.service.search(req.texts, k=req.k, department=req.department, aisle=req.aisle,
-                                              mode=mode, api_key=key, deadline=deadline)
-            reply = pb.SearchReply(
-                results=[pb.HitList(hits=[pb.Hit(id=h.id, score=h.score, fields=h.fields, legs=h.legs) for h in hits])
-                         for hits in found.hits],
-                model=self.service.model, index_version=found.index_version, cache_hits=found.cache_hits,
-                timings=pb.Timings(**found.timings_ns), backend=found.backend)
-            timings = found.timings_ns
+        reply, timings = await (self._embed if rpc == "embed" else self._search)(req, key, deadline)
         self._ok[rpc].inc()
         self.metrics.observe_timings(rpc, timings)
         return reply
+
+    async def _embed(self, req: pb.EmbedRequest, key: str | None, deadline: float | None
+                     ) -> tuple[pb.EmbedReply, dict[str, int]]:
+        out = await self.service.embed(req.texts, api_key=key, deadline=deadline)
+        emb = out.embeddings
+        if req.float16:
+            data, dtype = emb.astype(_F16).tobytes(), pb.FLOAT16
+        else:
+            data, dtype = emb.astype(_F32, copy=False).tobytes(), pb.FLOAT32
+        reply = pb.EmbedReply(embeddings=data, rows=emb.shape[0], dim=emb.shape[1], dtype=dtype,
+                              model=self.service.model, cache_hits=out.cache_hits, truncated=out.truncated,
+                              timings=pb.Timings(**out.timings_ns), backend=out.backend)
+        return reply, out.timings_ns
+
+    async def _search(self, req: pb.SearchRequest, key: str | None, deadline: float | None
+                      ) -> tuple[pb.SearchReply, dict[str, int]]:
+        try:  # proto3 enums are open: an unknown number parses, and is refused here
+            mode = pb.SearchMode.Name(req.mode)
+        except ValueError:
+            raise InvalidInput(f"unknown search mode {req.mode}") from None
+        found = await self.service.search(req.texts, k=req.k, department=req.department, aisle=req.aisle,
+                                          mode=mode, api_key=key, deadline=deadline)
+        reply = pb.SearchReply(
+            results=[pb.HitList(hits=[pb.Hit(id=h.id, score=h.score, fields=h.fields, legs=h.legs) for h in hits])
+                     for hits in found.hits],
+            model=self.service.model, index_version=found.index_version, cache_hits=found.cache_hits,
+            timings=pb.Timings(**found.timings_ns), backend=found.backend)
+        return reply, found.timings_ns
 
     def _error(self, rpc: str, exc: EmbedcarError) -> pb.StreamError:
         self.metrics.requests.labels(rpc, exc.code).inc()
