@@ -62,7 +62,10 @@ def test_sidecar_with_triton_equals_embedded(settings: Settings, triton_server: 
                                              onnx_backend: OnnxBackend, tokenizer: QueryTokenizer) -> None:
     texts = texts_for_every_bucket(tokenizer)
     ref = reference(onnx_backend, tokenizer, texts)
-    with SidecarThread(triton_sidecar_settings(settings, triton_server)) as sc, Client(sc.grpc_target) as c:
+    # Equality, not speed: the first call spans every bucket up to 512 tokens on a shared CPU Triton
+    # (once it outlasted the 10 s Triton timeout of the other tests here), so it gets 60 s.
+    s = triton_sidecar_settings(settings, triton_server).with_section("triton", timeout_ms=60_000)
+    with SidecarThread(s) as sc, Client(sc.grpc_target) as c:
         assert sc.backend.name == "triton"
         calibrated = (sc.admission.s_per_token, sc.admission.s_per_call)
         r = c.embed(texts)
