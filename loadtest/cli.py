@@ -131,9 +131,7 @@ def _remote_target(spec: TargetSpec, args: argparse.Namespace, settings: Setting
         served = args.infinity_model or f"{settings.model.name}-{settings.model.variant}"
         return HttpEmbedTarget(args.infinity_url, name="infinity", path="/embeddings", model=served)
     if spec.target == "inprocess":
-        m = settings.model
-        return InProcessTarget(m.model_dir, variant=m.variant, threads=m.intra_op_threads, spinning=m.ort_spinning,
-                               spin_us=m.ort_spin_us)
+        return InProcessTarget.for_model(settings.model)
     urls = args.triton_url or list(settings.triton.urls)
     return TritonTarget(urls, settings.model.model_dir, variant=settings.model.variant)
 

@@ -176,9 +176,7 @@ def start_stack(spec: TargetSpec, settings: Settings, stack: contextlib.ExitStac
         return StubTarget()
     model_dir = settings.model.model_dir
     if spec.target == "inprocess":
-        m = settings.model
-        return InProcessTarget(model_dir, variant=variant, threads=m.intra_op_threads, spinning=m.ort_spinning,
-                               spin_us=m.ort_spin_us)
+        return InProcessTarget.for_model(settings.model, variant)
     logs = log_dir or Path("var/loadtest")
     logs.mkdir(parents=True, exist_ok=True)
     if spec.target == "baseline":

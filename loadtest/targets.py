@@ -12,9 +12,12 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inference.errors import DeadlineExceeded, Internal, Unavailable, error_for_http
+
+if TYPE_CHECKING:
+    from inference.settings import ModelSettings
 
 Timings = dict[str, int]
 
@@ -248,8 +251,14 @@ class InProcessTarget(Target):
         self.model_dir = model_dir
         self.variant = variant
         self.threads = threads
-        self.spinning, self.spin_us = spinning, spin_us  # as the sidecar's embedded backend (model.ort_*)
+        self.spinning, self.spin_us = spinning, spin_us
         self._embedder: Any = None
+
+    @classmethod
+    def for_model(cls, m: ModelSettings, variant: str | None = None) -> InProcessTarget:
+        """Set up as the sidecar's embedded backend is from the same model settings."""
+        return cls(m.model_dir, variant=variant or m.variant, threads=m.intra_op_threads, spinning=m.ort_spinning,
+                   spin_us=m.ort_spin_us)
 
     async def start(self) -> None:
         from inference.backends.onnx import OnnxBackend

@@ -350,9 +350,7 @@ def start_contenders(settings: Settings, cfg: ServingConfig, variant: str,
         out.append(c)
         try:
             if kind == "floor":
-                m = settings.model
-                c.target = InProcessTarget(model_dir, variant=variant, threads=m.intra_op_threads,
-                                           spinning=m.ort_spinning, spin_us=m.ort_spin_us)
+                c.target = InProcessTarget.for_model(settings.model, variant)
             elif kind in ("grpc", "stream", "http"):
                 if sidecar is None:
                     from loadtest.stack import SidecarProcess
