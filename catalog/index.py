@@ -323,9 +323,14 @@ class ProductIndex:
         faiss = faiss_module()
 
         faiss.omp_set_num_threads(max(1, search_threads))
-        path = store.newest_version(index_root)
+        # The newest version of the running model: while a catalog moves to another model (e.g. the
+        # int8 default), sidecars of either one serve their own versions from one root.
+        path = store.newest_version(index_root, model_id=expected_model_id)
         if path is None:
-            raise Unavailable(f"no complete index under {index_root}: run `embedcar catalog build`")
+            other = store.newest_version(index_root)
+            if other is None:
+                raise Unavailable(f"no complete index under {index_root}: run `embedcar catalog build`")
+            raise _other_model(other, store.read_manifest(other).get("model_id"), expected_model_id)
         snap = _load(path, nprobe=nprobe, ef_search=ef_search, use_gpu=use_gpu)
         _check_model(snap, expected_model_id)
         return cls(index_root, snap, expected_model_id=expected_model_id, nprobe=nprobe, search_threads=search_threads,
@@ -390,7 +395,7 @@ class ProductIndex:
                           fusion=self.fusion)
 
     def _newer_snapshot(self) -> _Snapshot | None:
-        path = store.newest_version(self.index_root)
+        path = store.newest_version(self.index_root, model_id=self._expected)
         if path is None or path.name <= self._snap.path.name:
             return None
         try:
@@ -553,8 +558,12 @@ def _hits(snap: _Snapshot, lists: list[Ranked]) -> list[list[Hit]]:
 def _check_model(snap: _Snapshot, expected: str | None) -> None:
     got = snap.manifest.get("model_id")
     if expected is not None and got != expected:
-        raise ModelError(f"index {snap.path.name} was built with model {got}, but the running model is "
-                         f"{expected}: rebuild it with `embedcar catalog build`")
+        raise _other_model(snap.path, got, expected)
+
+
+def _other_model(path: Path, got: object, expected: str | None) -> ModelError:
+    return ModelError(f"index {path.name} was built with model {got}, but the running model is "
+                      f"{expected}: rebuild it with `embedcar catalog build`")
 
 
 def _load(path: Path, *, nprobe: int | None, ef_search: int | None, use_gpu: bool) -> _Snapshot:

@@ -111,8 +111,17 @@ def publish(root: Path, write: Callable[[Path], None], *, name: str | None = Non
 
 
 def prune(root: Path, *, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` versions (open memory maps of deleted files stay valid)."""
-    old = complete_versions(root)[:-keep] if keep > 0 else []
+    """Delete all but the newest `keep` versions of each model (open memory maps of deleted files
+    stay valid). Per model: while a catalog moves to another model, sidecars still on the old one
+    keep versions to serve and to restart on."""
+    by_model: dict[object, list[Path]] = {}
+    for v in complete_versions(root):
+        try:
+            model = read_manifest(v).get("model_id")
+        except (NotFound, ModelError):
+            model = None
+        by_model.setdefault(model, []).append(v)
+    old = sorted(v for vs in by_model.values() for v in (vs[:-keep] if keep > 0 else []))
     for v in old:
         # Rename first so a half-deleted version never looks complete.
         hidden = v.with_name(f".del-{v.name}")

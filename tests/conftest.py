@@ -27,7 +27,9 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 
 @pytest.fixture(scope="session")
 def settings() -> Settings:
-    return Settings.load(environ={}, overrides={"model": {"models_dir": ROOT / "models"}})
+    # fp32: the golden vectors and the session's shared indexes are the exact model's (the int8 default
+    # has tests of its own).
+    return Settings.load(environ={}, overrides={"model": {"models_dir": ROOT / "models", "variant": "fp32"}})
 
 
 @pytest.fixture(scope="session")

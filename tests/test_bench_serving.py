@@ -237,4 +237,5 @@ def test_loadtest_start_stack_drives_infinity(tmp_path: Path, model_dir: Path) -
     summary = json.loads((tmp_path / "inf.json").read_text())
     assert summary["errors"] == {}, summary["error_examples"]
     assert rc == 0 and summary["ok"] == 5
-    assert summary["target"]["path"] == "/embeddings" and summary["target"]["model"] == f"{model_dir.name}-fp32"
+    # No variant given: Infinity serves the default variant's file, int8, under the name it is given.
+    assert summary["target"]["path"] == "/embeddings" and summary["target"]["model"] == f"{model_dir.name}-int8"

@@ -203,6 +203,29 @@ def test_reload_refuses_a_newer_version_of_another_model(s: Settings) -> None:
     assert idx.version == old and idx.size == 100
 
 
+def test_each_model_serves_its_own_newest_version_from_one_root(s: Settings) -> None:
+    """A catalog moving to another model variant (fp32 -> int8): sidecars of either one share the
+    index root, each opening and reloading only versions built with its own model."""
+    other = "test-model@0000/int8"
+    mine = publish(s, clustered(100))
+    publish(s, clustered(120), model_id=other)  # newer, but another model's
+    idx = ProductIndex.open(s.catalog.index_root, expected_model_id=MODEL)
+    assert (idx.version, idx.size, idx.model_id) == (mine.name, 100, MODEL)
+    theirs = ProductIndex.open(s.catalog.index_root, expected_model_id=other)
+    assert (theirs.size, theirs.model_id) == (120, other)
+    newer = publish(s, clustered(130))
+    publish(s, clustered(140), model_id=other)
+    assert idx.maybe_reload() is True and (idx.version, idx.size) == (newer.name, 130)
+
+
+def test_pruning_keeps_the_newest_versions_of_each_model(s: Settings) -> None:
+    old_model = "test-model@0000/int8"
+    kept_old = [publish(s, clustered(50, seed=i), model_id=old_model) for i in range(4)][-3:]
+    new = [publish(s, clustered(50, seed=10 + i)) for i in range(5)]
+    assert store.complete_versions(s.catalog.index_root) == sorted(kept_old + new[-3:])
+    assert ProductIndex.open(s.catalog.index_root, expected_model_id=old_model).version == kept_old[-1].name
+
+
 def test_a_failed_publish_leaves_no_version_and_the_old_one_serving(s: Settings) -> None:
     first = publish(s, clustered(100))
 

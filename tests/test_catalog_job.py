@@ -346,7 +346,8 @@ def test_a_build_killed_with_sigkill_resumes_to_the_same_index(
     s = catalog_settings_for(settings, tmp_path / "idx")
     assert len(grocery_slice.products) > s.catalog.chunk_items, "the slice must span several checkpoints"
     env = {**os.environ, "EMBEDCAR_MODEL_MODELS_DIR": str(settings.model.models_dir),
-           "EMBEDCAR_MODEL_INTRA_OP_THREADS": "2", "EMBEDCAR_CATALOG_INDEX_ROOT": str(s.catalog.index_root),
+           "EMBEDCAR_MODEL_VARIANT": settings.model.variant, "EMBEDCAR_MODEL_INTRA_OP_THREADS": "2",
+           "EMBEDCAR_CATALOG_INDEX_ROOT": str(s.catalog.index_root),
            "EMBEDCAR_CATALOG_CHUNK_ITEMS": str(s.catalog.chunk_items),
            "EMBEDCAR_CATALOG_BATCH_SIZE": str(s.catalog.batch_size)}
     proc = subprocess.Popen([sys.executable, "-c", _PAUSE_AFTER_FIRST_CHECKPOINT, "catalog", "build", str(src),

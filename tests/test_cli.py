@@ -34,7 +34,8 @@ def test_embed_json_for_scripts(model_dir: Path, manifest: Manifest) -> None:
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     emb = np.array(out["embeddings"])
-    assert out["model"] == manifest.variant_id("fp32") and out["dim"] == 384 and emb.shape == (2, 384)
+    # No variant given: the CPU default, int8.
+    assert out["model"] == manifest.variant_id("int8") and out["dim"] == 384 and emb.shape == (2, 384)
     assert 0.5 < float(emb[0] @ emb[1]) < 0.95  # related, not identical
 
 

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2
 
 from demo_ui.settings import Settings
 from inference.backends.onnx import OnnxBackend
-from inference.errors import EmbedcarError, Unavailable
+from inference.errors import EmbedcarError, FailedPrecondition, Unavailable
 from inference.tokenizer import QueryTokenizer
 from inference.triton.launcher import TritonServer
 from sidecar.app import SidecarThread
@@ -78,6 +78,14 @@ def test_sidecar_with_triton_equals_embedded(settings: Settings, triton_server: 
         assert again.cache_hits == [True, True, True]
         # Triton's round trips include its own queueing: they must not re-price admission's tokens.
         assert (sc.admission.s_per_token, sc.admission.s_per_call) == calibrated
+
+
+def test_sidecar_refuses_a_triton_serving_another_variant(settings: Settings, triton_server: TritonServer) -> None:
+    """The session's Triton serves fp32; a sidecar on the int8 default would cache and search int8
+    vectors under fp32 answers: it does not start, and says which setting to change."""
+    s = triton_sidecar_settings(settings, triton_server).with_section("model", variant="int8")
+    with pytest.raises(FailedPrecondition, match=r"serves .*/fp32, .*configured for .*/int8"), SidecarThread(s):
+        pass
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """TritonBackend's endpoint handling against small real gRPC servers speaking Triton's protocol.
 
 No tritonserver is needed: `FakeTriton` implements the four calls the backend makes (ModelReady,
-ModelMetadata, ModelInfer, ModelStatistics is unused here) on a real grpc.aio server on a free
-loopback port, and can be told to refuse inference with its own message, or be stopped (a dead URL).
+ModelMetadata, ModelConfig, ModelInfer) on a real grpc.aio server on a free loopback port, and can be
+told to refuse inference with its own message, or be stopped (a dead URL).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from inference.backends.triton import OUTPUT, TritonBackend
-from inference.errors import Unavailable
+from inference.errors import FailedPrecondition, Unavailable
 from inference.manifest import Manifest
 from inference.tokenizer import TokenBatch
+from inference.triton.repository import VARIANT_ID_PARAM
 
 
 class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
@@ -30,6 +31,7 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore
         self.server: grpc.aio.Server | None = None
         self.url = ""
         self.infers = 0
+        self.variant_id = ""  # the ensemble's variant_id parameter (a generated repository's); "" = none
 
     async def start(self) -> None:
         self.server = grpc.aio.server()
@@ -51,6 +53,13 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore
         for name in self.manifest.inputs:
             reply.inputs.add(name=name, datatype="INT32", shape=[-1, -1])
         reply.outputs.add(name=OUTPUT, datatype="FP32", shape=[-1, self.manifest.dim])
+        return reply
+
+    async def ModelConfig(self, request: Any, context: Any) -> Any:  # noqa: N802
+        reply = pb.ModelConfigResponse()
+        reply.config.name = request.name
+        if self.variant_id:
+            reply.config.parameters[VARIANT_ID_PARAM].string_value = self.variant_id
         return reply
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
@@ -114,3 +123,23 @@ async def test_one_endpoint_failing_is_steered_around_without_an_error(
         assert backend.ready() and b.infers >= 4
     finally:
         await backend.close()
+
+
+async def test_a_triton_serving_another_variant_is_refused_at_start(
+        fakes: tuple[FakeTriton, FakeTriton], manifest: Manifest) -> None:
+    """Its embeddings would not match the sidecar's cache keys or the index of its own variant."""
+    a, _ = fakes
+    a.variant_id = manifest.variant_id("fp32")
+    backend = TritonBackend([a.url], manifest, variant="int8", timeout_s=5.0, probe_interval_s=60.0)
+    try:
+        with pytest.raises(FailedPrecondition, match=r"serves .*/fp32.*configured for .*/int8.*EMBEDCAR_MODEL_VARIANT"):
+            await backend.start()
+        assert not backend.ready() and a.infers == 0
+    finally:
+        await backend.close()
+    same = TritonBackend([a.url], manifest, variant="fp32", timeout_s=5.0, probe_interval_s=60.0)
+    try:
+        await same.start()
+        assert same.ready()
+    finally:
+        await same.close()

@@ -15,6 +15,7 @@ from inference.triton.repository import (
     ENCODER,
     ENSEMBLE,
     POOLING,
+    VARIANT_ID_PARAM,
     cpu_sizing,
     generate_repository,
     load_config,
@@ -93,6 +94,7 @@ def test_cpu_repository_two_steps(settings: Settings, manifest: Manifest, model_
     assert steps[1].output_map["embedding"] == "embedding"
     assert {i.name for i in ens.input} == set(manifest.inputs)
     assert repository_target(repo) == ("cpu", manifest.variant_id("int8"))
+    assert ens.parameters[VARIANT_ID_PARAM].string_value == manifest.variant_id("int8")  # the sidecar checks it
 
 
 def test_gpu_repository(settings: Settings, manifest: Manifest, model_dir: Path, tmp_path: Path) -> None:

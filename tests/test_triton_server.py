@@ -281,7 +281,7 @@ def _group_alive(pgid: int) -> bool:
 
 async def test_kill_gives_unavailable_then_recovers(own_server: TritonServer, manifest: Manifest,
                                                     tokenizer: QueryTokenizer) -> None:
-    b = TritonBackend([own_server.grpc_url], manifest, timeout_s=5.0, probe_interval_s=0.2)
+    b = TritonBackend([own_server.grpc_url], manifest, variant="int8", timeout_s=5.0, probe_interval_s=0.2)
     await b.start()
     batch = tokenizer.batch(tokenizer.encode(["apples"]).ids)
     try:

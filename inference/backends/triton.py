@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from inference.backends.base import Backend, Embeddings
-from inference.errors import DeadlineExceeded, EmbedcarError, Internal, InvalidInput, Unavailable
+from inference.errors import DeadlineExceeded, EmbedcarError, FailedPrecondition, Internal, InvalidInput, Unavailable
 from inference.manifest import Manifest
 from inference.tokenizer import TokenBatch
 
@@ -145,6 +145,7 @@ class TritonBackend(Backend):
                                                     timeout=self.timeout_s)
         except Exception as exc:
             raise map_error(exc, live[0].url) from exc
+        await self._check_variant(live[0])
         self._input_types = {i.name: _TYPES.get(i.datatype, np.int64) for i in meta.inputs}
         out = {o.name: o for o in meta.outputs}
         if OUTPUT not in out or int(out[OUTPUT].shape[-1]) != self.dim:
@@ -153,6 +154,24 @@ class TritonBackend(Backend):
         await self._warm_up()
         if self._probe_task is None:
             self._probe_task = asyncio.create_task(self._probe_loop(), name="triton-probe")
+
+    async def _check_variant(self, ep: _Endpoint) -> None:
+        """FailedPrecondition when Triton serves another variant than this backend's (the variant id
+        a generated repository records); a repository without one is taken as it is."""
+        from tritonclient.grpc import service_pb2 as pb
+
+        from inference.triton.repository import VARIANT_ID_PARAM
+
+        try:
+            reply = await ep.stub.ModelConfig(pb.ModelConfigRequest(name=self.model_name), timeout=self.timeout_s)
+        except Exception as exc:
+            raise map_error(exc, ep.url) from exc
+        param = reply.config.parameters.get(VARIANT_ID_PARAM)
+        served = param.string_value if param is not None else ""
+        if served and served != self.version_id:
+            raise FailedPrecondition(
+                f"Triton at {ep.url} serves {served}, this backend is configured for {self.version_id}: "
+                "set model.variant (EMBEDCAR_MODEL_VARIANT) to the variant of Triton's repository")
 
     async def _warm_up(self) -> None:
         """One batch-1 request per bucket: opens the channel and checks every shape end to end."""

@@ -34,6 +34,7 @@ from inference.settings import Settings
 TARGETS = ("cpu", "gpu")
 CPU_POOLING = ("fused", "step")
 ENSEMBLE = "embedder"
+VARIANT_ID_PARAM = "variant_id"  # the ensemble's parameter naming the model variant it serves
 ENCODER = "encoder"
 POOLING = "pooling"
 HIDDEN = "last_hidden_state"
@@ -155,8 +156,11 @@ def pooling_config(settings: Settings, manifest: Manifest, *, target: str, sys_p
     return cfg
 
 
-def ensemble_config(settings: Settings, manifest: Manifest, *, target: str) -> mc.ModelConfig:
+def ensemble_config(settings: Settings, manifest: Manifest, *, target: str, variant: str) -> mc.ModelConfig:
     cfg = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=settings.triton.max_batch_size)
+    # The sidecar reads this at start and refuses a Triton that serves another variant than its own:
+    # its cache keys and the index it searches are that variant's.
+    _param(cfg, VARIANT_ID_PARAM, manifest.variant_id(variant))
     for name in manifest.inputs:
         cfg.input.add(name=name, data_type=_ids_type(target), dims=[-1])
     cfg.output.add(name=OUTPUT, data_type=mc.TYPE_FP32, dims=[manifest.dim])
@@ -218,7 +222,7 @@ def generate_repository(settings: Settings, manifest: Manifest, model_dir: Path,
                                        sys_path=sys_path)}
     if not fused:
         configs[POOLING] = pooling_config(settings, manifest, target=target, sys_path=sys_path)
-    configs[ENSEMBLE] = ensemble_config(settings, manifest, target=target)
+    configs[ENSEMBLE] = ensemble_config(settings, manifest, target=target, variant=variant)
     for name, cfg in configs.items():
         _write_if_changed(repo / name / "config.pbtxt", render(cfg))
         load_config(repo / name / "config.pbtxt")
