@@ -28,15 +28,13 @@ from loadtest.queries import QueryMix
 from loadtest.report import Summary, cpu_per_request, markdown, summarize, write_comparison, write_run
 from loadtest.runner import RunConfig, run_load
 from loadtest.schedule import ARRIVALS
-from loadtest.stack import TargetSpec, start_stack
+from loadtest.stack import SIDECAR_TARGETS, TargetSpec, sidecar_target, start_stack
 from loadtest.sweep import parse_sweep, sweep, write_sweep
 from loadtest.targets import (
     TARGETS,
     HttpEmbedTarget,
     InProcessTarget,
-    SidecarEmbedTarget,
-    SidecarSearchTarget,
-    SidecarStreamTarget,
+    PoolTarget,
     StubTarget,
     Target,
     TritonTarget,
@@ -51,7 +49,8 @@ def register(sub: Any) -> None:
     what = p.add_argument_group("what to test")
     what.add_argument("--target", default="sidecar-embed",
                       help=f"{' | '.join(TARGETS)}, optionally :embedded or :triton for the sidecar's backend "
-                           "with --start-stack (default sidecar-embed)")
+                           "with --start-stack (default sidecar-embed), and @N for N sidecar processes sharing "
+                           "the cores (the model's threads split between them), requests spread round-robin")
     what.add_argument("--compare", default=None,
                       help="comma-separated targets run one after another on the same query stream, "
                            "e.g. baseline,sidecar-embed:embedded,sidecar-embed:triton")
@@ -60,8 +59,10 @@ def register(sub: Any) -> None:
     what.add_argument("--start-stack", action="store_true",
                       help="start each target's servers here (tritonserver, sidecar, baseline) on free ports")
     addr = p.add_argument_group("where (when not started here)")
-    addr.add_argument("--sidecar", default="127.0.0.1:50051", help="sidecar gRPC address")
-    addr.add_argument("--http-url", default="http://127.0.0.1:8080", help="sidecar HTTP facade base URL")
+    addr.add_argument("--sidecar", default="127.0.0.1:50051",
+                      help="sidecar gRPC address; several, comma-separated: a pool, requests spread round-robin")
+    addr.add_argument("--http-url", default="http://127.0.0.1:8080",
+                      help="sidecar HTTP facade base URL (several, comma-separated: a pool)")
     addr.add_argument("--triton-url", action="append", default=None, help="Triton gRPC address (repeatable)")
     addr.add_argument("--baseline-url", default="http://127.0.0.1:8090", help="baseline base URL")
     addr.add_argument("--infinity-url", default="http://127.0.0.1:7997", help="Infinity base URL")
@@ -115,14 +116,16 @@ def _specs(args: argparse.Namespace) -> list[TargetSpec]:
 
 def _remote_target(spec: TargetSpec, args: argparse.Namespace, settings: Settings, api_key: str | None) -> Target:
     stats = args.triton_stats_url
-    if spec.target == "sidecar-embed":
-        return SidecarEmbedTarget(args.sidecar, api_key=api_key, triton_stats_url=stats)
-    if spec.target == "sidecar-stream":
-        return SidecarStreamTarget(args.sidecar, api_key=api_key, triton_stats_url=stats)
-    if spec.target == "sidecar-search":
-        return SidecarSearchTarget(args.sidecar, api_key=api_key, k=args.k, triton_stats_url=stats)
-    if spec.target == "http":
-        return HttpEmbedTarget(args.http_url, api_key=api_key, triton_stats_url=stats)
+    if spec.target in SIDECAR_TARGETS:
+        # Several addresses: a pool of sidecars, requests spread round-robin over them.
+        if spec.processes > 1:
+            raise InvalidInput(f"{spec.label}: @N starts N sidecars (--start-stack); for running ones give "
+                               "their addresses comma-separated (--sidecar / --http-url)")
+        raw = args.http_url if spec.target == "http" else args.sidecar
+        addresses = [a.strip() for a in raw.split(",") if a.strip()]
+        members = [sidecar_target(spec.target, a, a, api_key=api_key, k=args.k, triton_stats_url=stats)
+                   for a in addresses]
+        return members[0] if len(members) == 1 else PoolTarget(members)
     if spec.target == "baseline":
         return HttpEmbedTarget(args.baseline_url, name="baseline")
     if spec.target == "stub":

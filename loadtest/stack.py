@@ -28,6 +28,7 @@ from loadtest.targets import (
     TARGETS,
     HttpEmbedTarget,
     InProcessTarget,
+    PoolTarget,
     SidecarEmbedTarget,
     SidecarSearchTarget,
     SidecarStreamTarget,
@@ -40,26 +41,40 @@ from sidecar.settings import Settings
 log = logging.getLogger(__name__)
 
 
+SIDECAR_TARGETS = ("sidecar-embed", "sidecar-stream", "sidecar-search", "http")
+
+
 @dataclass(frozen=True, slots=True)
 class TargetSpec:
-    """`target[:backend]` as given to --target/--compare, e.g. "sidecar-embed:triton"."""
+    """`target[:backend][@processes]` as given to --target/--compare, e.g. "sidecar-embed:triton",
+    or "sidecar-stream:embedded@2": two sidecar processes sharing the cores (model threads split
+    between them), requests spread round-robin over one connection to each."""
 
     target: str
     backend: str
+    processes: int = 1
 
     @classmethod
     def parse(cls, text: str, default_backend: str = "embedded") -> TargetSpec:
-        target, _, backend = text.strip().partition(":")
+        head, _, count = text.strip().partition("@")
+        target, _, backend = head.partition(":")
         backend = backend or default_backend
         if target not in TARGETS:
             raise InvalidInput(f"unknown target {target!r}; expected one of {', '.join(TARGETS)}")
-        return cls(target, check_kind(backend))
+        try:
+            processes = int(count) if count else 1
+        except ValueError:
+            raise InvalidInput(f"{text!r}: the count after @ must be a whole number of sidecar processes") from None
+        if processes < 1 or (processes > 1 and target not in SIDECAR_TARGETS):
+            raise InvalidInput(f"{text!r}: @N takes N >= 1, and only for a sidecar target "
+                               f"({', '.join(SIDECAR_TARGETS)})")
+        return cls(target, check_kind(backend), processes)
 
     @property
     def label(self) -> str:
         if self.target in ("baseline", "triton", "inprocess", "stub", "infinity"):
             return self.target
-        return f"{self.target}:{self.backend}"
+        return f"{self.target}:{self.backend}" + (f"@{self.processes}" if self.processes > 1 else "")
 
 
 class SidecarProcess:
@@ -215,17 +230,33 @@ def start_stack(spec: TargetSpec, settings: Settings, stack: contextlib.ExitStac
         ensure_index(settings.with_section("model", variant=variant),
                      BuildSpec(source=GROCERY_SOURCE, text_fields=settings.catalog.text_fields))
         index_dir = settings.catalog.index_root
-    log.info("starting the sidecar (%s backend, %s)", spec.backend, variant)
-    sc = stack.enter_context(SidecarProcess(settings, backend=spec.backend, variant=variant, triton_url=triton_url,
-                                            index_dir=index_dir, log_file=logs / f"sidecar-{spec.backend}.log"))
-    _note(started, "sidecar", sc.pid)
-    if spec.target == "sidecar-search":
-        return SidecarSearchTarget(sc.grpc_target, api_key=api_key, k=k, triton_stats_url=triton_url)
-    if spec.target == "http":
-        return HttpEmbedTarget(sc.http_url, api_key=api_key, triton_stats_url=triton_url)
-    if spec.target == "sidecar-stream":
-        return SidecarStreamTarget(sc.grpc_target, api_key=api_key, triton_stats_url=triton_url)
-    return SidecarEmbedTarget(sc.grpc_target, api_key=api_key, triton_stats_url=triton_url)
+    n = spec.processes
+    log.info("starting %s (%s backend, %s)", "the sidecar" if n == 1 else f"{n} sidecars", spec.backend, variant)
+    # Several processes split the model's threads: each forward on fewer threads, n at a time.
+    threads = settings.model.intra_op_threads or os.cpu_count() or 1
+    env = {"EMBEDCAR_MODEL_INTRA_OP_THREADS": str(max(1, threads // n))} if n > 1 else {}
+    members: list[Target] = []
+    for i in range(1, n + 1):
+        suffix = "" if i == 1 else f"-{i}"
+        log_file = logs / f"sidecar-{spec.backend}{suffix}.log"
+        sc = stack.enter_context(SidecarProcess(settings, backend=spec.backend, variant=variant, triton_url=triton_url,
+                                                index_dir=index_dir, log_file=log_file, extra_env=env))
+        _note(started, f"sidecar{suffix}", sc.pid)
+        members.append(sidecar_target(spec.target, sc.grpc_target, sc.http_url, api_key=api_key, k=k,
+                                      triton_stats_url=triton_url))
+    return members[0] if n == 1 else PoolTarget(members)
+
+
+def sidecar_target(kind: str, grpc_target: str, http_url: str, *, api_key: str | None, k: int = 10,
+                   triton_stats_url: str | None = None) -> Target:
+    """The target of one sidecar for a target kind of SIDECAR_TARGETS."""
+    if kind == "sidecar-search":
+        return SidecarSearchTarget(grpc_target, api_key=api_key, k=k, triton_stats_url=triton_stats_url)
+    if kind == "http":
+        return HttpEmbedTarget(http_url, api_key=api_key, triton_stats_url=triton_stats_url)
+    if kind == "sidecar-stream":
+        return SidecarStreamTarget(grpc_target, api_key=api_key, triton_stats_url=triton_stats_url)
+    return SidecarEmbedTarget(grpc_target, api_key=api_key, triton_stats_url=triton_stats_url)
 
 
 def _note(pids: dict[str, int], name: str, pid: int | None) -> None:

@@ -8,13 +8,14 @@ client, Triton client) are imported inside the targets that need them.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from inference.errors import DeadlineExceeded, Internal, Unavailable, error_for_http
+from inference.errors import DeadlineExceeded, Internal, InvalidInput, Unavailable, error_for_http
 
 if TYPE_CHECKING:
     from inference.settings import ModelSettings
@@ -49,6 +50,35 @@ class Target(ABC):
 
     def describe(self) -> dict[str, Any]:
         return {"target": self.name}
+
+
+class PoolTarget(Target):
+    """Requests spread round-robin over several targets of one kind, each on its own connection: a
+    pool of sidecars (e.g. one process per core) as a client that balances over them drives it."""
+
+    def __init__(self, members: Sequence[Target]) -> None:
+        if not members:
+            raise InvalidInput("a pool needs at least one target")
+        self.members = list(members)
+        self.name = self.members[0].name
+        self._next = itertools.cycle(self.members)
+
+    async def start(self) -> None:
+        for m in self.members:
+            await m.start()
+
+    async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
+        return await next(self._next).call(texts, timeout_s=timeout_s)
+
+    async def close(self) -> None:
+        for m in self.members:
+            await m.close()
+
+    async def server_stats(self) -> dict[str, dict[str, int]] | None:
+        return await self.members[0].server_stats()  # members share any Triton they report on
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.members[0].describe(), "pool": [m.describe() for m in self.members]}
 
 
 class SidecarEmbedTarget(Target):

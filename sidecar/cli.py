@@ -38,7 +38,8 @@ def register(sub: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    log.info("settings: %s", json.dumps(settings.describe()["sidecar"]))  # secrets redacted
+    described = settings.describe()  # secrets redacted
+    log.info("settings: %s", json.dumps({k: described[k] for k in ("model", "sidecar")}))
     asyncio.run(_serve_async(settings))
     return 0
 

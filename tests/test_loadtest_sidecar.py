@@ -63,6 +63,25 @@ def test_start_stack_runs_a_sidecar_process_and_stops_it(tmp_path: Path, model_d
 
 
 @pytest.mark.slow
+def test_a_pool_of_sidecar_processes_shares_the_load_and_the_cores(tmp_path: Path, model_dir: Path) -> None:
+    """`target@2`: two sidecars, each with half the model's threads, requests spread round-robin."""
+    rc = cli_main(["loadtest", "--start-stack", "--target", "sidecar-stream:embedded@2", "--threads", "2",
+                   "--rate", "10", "--duration", "1", "--warmup", "0.4", "--no-cache", "--deadline-ms", "30000",
+                   "--sla-ms", "30000", "--models-dir", str(model_dir.parent), "--out", str(tmp_path),
+                   "--name", "pool", "--log-dir", str(tmp_path / "logs")])
+    summary = json.loads((tmp_path / "pool.json").read_text())
+    assert rc == 0 and summary["ok"] == 10, summary["error_examples"]
+    assert summary["target"]["spec"] == "sidecar-stream:embedded@2"
+    addresses = {m["address"] for m in summary["target"]["pool"]}
+    assert len(addresses) == 2
+    cpu = summary["cpu_ms_per_request"]
+    assert set(cpu) == {"load generator", "sidecar", "sidecar-2"}
+    assert cpu["sidecar"] > 0.5 and cpu["sidecar-2"] > 0.5  # both computed forwards
+    for name in ("sidecar-embedded.log", "sidecar-embedded-2.log"):
+        assert '"intra_op_threads": "1",' in (tmp_path / "logs" / name).read_text()  # half of --threads 2
+
+
+@pytest.mark.slow
 def test_stream_over_triton_reports_triton_phases_and_cpu_per_process(tmp_path: Path, model_dir: Path) -> None:
     from inference.triton.launcher import triton_unavailable_reason
 

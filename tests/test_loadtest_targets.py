@@ -23,6 +23,12 @@ def test_target_specs() -> None:
         TargetSpec.parse("nope")
     with pytest.raises(FailedPrecondition):  # an unknown backend, as make_backend says it
         TargetSpec.parse("sidecar-embed:gpu")
+    pool = TargetSpec.parse("sidecar-stream@2")
+    assert (pool.processes, pool.label) == (2, "sidecar-stream:embedded@2")
+    assert TargetSpec.parse("http:triton@1").label == "http:triton"
+    for bad in ("inprocess@2", "sidecar-embed@0", "sidecar-embed@two"):  # @N: N sidecar processes only
+        with pytest.raises(InvalidInput, match="@"):
+            TargetSpec.parse(bad)
 
 
 async def test_in_process_target_runs_real_onnx_runtime(model_dir: Path, tokenizer: QueryTokenizer) -> None:
