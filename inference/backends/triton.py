@@ -32,8 +32,9 @@ from inference.tokenizer import TokenBatch
 log = logging.getLogger(__name__)
 
 _MAX_MSG = 256 * 1024 * 1024
-_TYPES = {"INT32": np.int32, "INT64": np.int64}
-_WIRE_TYPES = {np.int32: "INT32", np.int64: "INT64"}
+# The ensemble's id inputs: Triton's datatype names <-> numpy (CPU repositories take int32).
+ID_TYPES = {"INT32": np.int32, "INT64": np.int64}
+WIRE_TYPES = {np.int32: "INT32", np.int64: "INT64"}
 OUTPUT = "embedding"
 
 
@@ -146,7 +147,7 @@ class TritonBackend(Backend):
         except Exception as exc:
             raise map_error(exc, live[0].url) from exc
         await self._check_variant(live[0])
-        self._input_types = {i.name: _TYPES.get(i.datatype, np.int64) for i in meta.inputs}
+        self._input_types = {i.name: ID_TYPES.get(i.datatype, np.int64) for i in meta.inputs}
         out = {o.name: o for o in meta.outputs}
         if OUTPUT not in out or int(out[OUTPUT].shape[-1]) != self.dim:
             raise Internal(f"Triton model {self.model_name} does not output a {self.dim}-d `{OUTPUT}`")
@@ -238,7 +239,7 @@ class TritonBackend(Backend):
                 raise InvalidInput(f"Triton model {self.model_name} needs input {name!r}")
             # One cast (int64 -> int32 halves the bytes) and one serialisation into the raw contents.
             arr = np.ascontiguousarray(arrays[name], dtype=np.dtype(dtype).newbyteorder("<"))
-            req.inputs.add(name=name, datatype=_WIRE_TYPES[dtype], shape=arr.shape)
+            req.inputs.add(name=name, datatype=WIRE_TYPES[dtype], shape=arr.shape)
             req.raw_input_contents.append(arr.tobytes())
         req.outputs.add(name=OUTPUT)
         # Triton's own server-side timeout (µs): a request that waited past it is not computed.

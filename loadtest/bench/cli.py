@@ -79,6 +79,9 @@ def _register_triton(areas: Any) -> None:
                    help="also start a server with pooling as its own step (cpu_pooling=step) and time it alike")
     p.add_argument("--trace", type=Path, default=None,
                    help="trace every request of the own server into this file and add per-phase P50/P95")
+    p.add_argument("--shm", action="store_true",
+                   help="also time the same server with the tensors in system shared memory instead of the "
+                        "gRPC messages (a local Triton)")
     p.add_argument("--json", type=Path, default=None, help="also write the report as JSON here")
     p.set_defaults(func=_triton)
 
@@ -88,7 +91,7 @@ def _triton(args: argparse.Namespace) -> int:
 
     settings = inference.Settings.load(overrides=flag_overrides(args))
     report = bench(settings, url=args.url, shapes=parse_shapes(args.shapes), reps=args.reps, warmup=args.warmup,
-                   compare_step=args.compare_step, trace=args.trace)
+                   compare_step=args.compare_step, trace=args.trace, shm=args.shm)
     print(report.markdown())
     if args.json:
         save_json(report, args.json)

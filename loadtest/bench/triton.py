@@ -26,7 +26,7 @@ import numpy as np
 
 from inference.backends.onnx import OnnxBackend
 from inference.backends.triton import TritonBackend
-from inference.errors import InvalidInput, Unavailable
+from inference.errors import Internal, InvalidInput, Unavailable
 from inference.files import atomic_write_text
 from inference.manifest import Manifest, load_manifest
 from inference.settings import Settings
@@ -34,8 +34,10 @@ from inference.tokenizer import TokenBatch
 from inference.triton.launcher import TritonServer, triton_unavailable_reason
 from inference.triton.repository import ENSEMBLE, cpu_sizing
 from inference.triton.trace import WHOLE, phase_table, trace_args
+from loadtest.bench.triton_shm import SharedMemoryCaller
 
 STEP_KEYS = ("queue", "compute_input", "compute_infer", "compute_output")
+SHM_PATH = "triton ensemble, shared memory"  # the same server, tensors in system shared memory
 BLOCK = 50  # calls per path before switching to the next path
 SETTLE = 5  # first calls of each block, not counted
 
@@ -138,9 +140,11 @@ def _step_delta(before: dict[str, dict[str, float | int]], after: dict[str, dict
 
 
 async def run(settings: Settings, url: str, *, shapes: Sequence[tuple[int, int]] = ((1, 16), (1, 32), (1, 64)),
-              reps: int = 300, warmup: int = 30, others: dict[str, str] | None = None) -> BenchReport:
+              reps: int = 300, warmup: int = 30, others: dict[str, str] | None = None,
+              shm: bool = False) -> BenchReport:
     """`others`: more Triton servers (path name -> gRPC address) timed in the same blocks, e.g. the
-    two-step repository layout next to the fused one."""
+    two-step repository layout next to the fused one; `shm`: also the same server with the tensors
+    in system shared memory (path SHM_PATH)."""
     model_dir = settings.model.model_dir
     manifest = load_manifest(model_dir)
     variant = settings.model.variant
@@ -151,9 +155,14 @@ async def run(settings: Settings, url: str, *, shapes: Sequence[tuple[int, int]]
     embedded.warm_up()
     triton = TritonBackend([url], manifest, variant=variant, timeout_s=10.0)
     await triton.start()
-    extra = {name: TritonBackend([u], manifest, variant=variant, timeout_s=10.0) for name, u in (others or {}).items()}
+    extra: dict[str, TritonBackend | SharedMemoryCaller] = {
+        name: TritonBackend([u], manifest, variant=variant, timeout_s=10.0) for name, u in (others or {}).items()}
+    if shm:
+        extra[SHM_PATH] = SharedMemoryCaller(url, manifest)
     for backend in extra.values():
         await backend.start()
+    if shm:
+        await _check_same(manifest, triton, extra[SHM_PATH], shapes)
     report = BenchReport(when=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), host=platform.node(),
                          variant=variant, ort_threads=threads, url=url)
     try:
@@ -196,8 +205,18 @@ async def run(settings: Settings, url: str, *, shapes: Sequence[tuple[int, int]]
     return report
 
 
+async def _check_same(manifest: Manifest, wire: TritonBackend, shm: TritonBackend | SharedMemoryCaller,
+                      shapes: Sequence[tuple[int, int]]) -> None:
+    """Both transports must return the same vectors before either is timed."""
+    for b, n in shapes:
+        batch = _query_batch(manifest, b, n)
+        a, c = await wire.embed(batch), await shm.embed(batch)
+        if not np.allclose(a, c, atol=1e-6):
+            raise Internal(f"{SHM_PATH} returned other vectors than the gRPC message at {b}x{n}")
+
+
 def bench(settings: Settings, *, url: str | None, shapes: Sequence[tuple[int, int]], reps: int, warmup: int,
-          compare_step: bool = False, trace: Path | None = None) -> BenchReport:
+          compare_step: bool = False, trace: Path | None = None, shm: bool = False) -> BenchReport:
     """`run` against `url`, or against a server started here (url None; traced into `trace` if given);
     compare_step: also a server with pooling as its own step (cpu_pooling=step), timed alike."""
     servers: list[TritonServer] = []
@@ -217,7 +236,7 @@ def bench(settings: Settings, *, url: str | None, shapes: Sequence[tuple[int, in
             step = settings.with_section("triton", cpu_pooling="step", repo_dir=repo.with_name(repo.name + "-step"))
             servers.append(TritonServer(step).start())  # its own free ports
             others["triton two-step"] = servers[-1].grpc_url
-        report = asyncio.run(run(settings, url, shapes=shapes, reps=reps, warmup=warmup, others=others))
+        report = asyncio.run(run(settings, url, shapes=shapes, reps=reps, warmup=warmup, others=others, shm=shm))
     finally:
         for server in servers:
             server.stop()
