@@ -19,8 +19,8 @@ from inference.settings import ModelSettings, Settings
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """--models-dir, --model, --variant, --threads: what every model-facing command takes."""
-    add_flags(p, "model", ModelSettings, "models_dir", "name", "variant", "intra_op_threads")
+    """--models-dir, --model, --variant, --threads, --lanes: what every model-facing command takes."""
+    add_flags(p, "model", ModelSettings, "models_dir", "name", "variant", "intra_op_threads", "forward_lanes")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

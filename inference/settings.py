@@ -55,6 +55,11 @@ class ModelSettings:
     )
     intra_op_threads: int = setting(0, "Embedded backend: ONNX Runtime intra-op threads; 0 = number of cores.",
                                     flag="threads")
+    forward_lanes: int = setting(
+        1, "Embedded backend: forward passes that may run at once, each on intra_op_threads / lanes ORT "
+        "threads. 1: every core on each query (lowest latency at light load); more: more queries per "
+        "second once a queue forms, each query a little slower (docs/benchmarks.md §9).", flag="lanes"
+    )
     ort_spinning: bool = setting(
         True, "Embedded backend (in-process ORT): let its threads spin between calls. The ORT inside "
         "Triton's CPU encoder has its own: triton.ort_spinning."

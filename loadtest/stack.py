@@ -97,6 +97,9 @@ class SidecarProcess:
             "EMBEDCAR_MODEL_MODELS_DIR": str(settings.model.models_dir.resolve()),
             "EMBEDCAR_MODEL_NAME": settings.model.name,
             "EMBEDCAR_MODEL_VARIANT": variant,
+            # The generator's flags reach the sidecar (--threads, --lanes); a pool overrides the threads.
+            "EMBEDCAR_MODEL_INTRA_OP_THREADS": str(settings.model.intra_op_threads),
+            "EMBEDCAR_MODEL_FORWARD_LANES": str(settings.model.forward_lanes),
             "EMBEDCAR_SIDECAR_HOST": "127.0.0.1",
             "EMBEDCAR_SIDECAR_GRPC_PORT": str(self.grpc_port),
             "EMBEDCAR_SIDECAR_HTTP_PORT": str(self.http_port),

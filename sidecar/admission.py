@@ -34,8 +34,9 @@ class Ticket:
 
 class Admission:
     def __init__(self, *, max_outstanding_items: int, s_per_token: float = 1e-4, s_per_call: float = 0.0,
-                 alpha: float = 0.2, budget_s: float = 0.0, standing_alpha: float = 0.01) -> None:
+                 alpha: float = 0.2, budget_s: float = 0.0, standing_alpha: float = 0.01, lanes: int = 1) -> None:
         self.max_outstanding_items = max_outstanding_items
+        self.lanes = max(1, lanes)  # backend calls that run at once: outstanding work drains that much faster
         self.budget_s = budget_s  # most queued work (drain time) to wait behind; 0 = the deadline only
         self.standing_alpha = standing_alpha  # weight of one admission in the standing-queue average
         self.standing_s = 0.0  # moving average of the drain time seen by admissions
@@ -63,7 +64,8 @@ class Admission:
         return self.s_per_call + tokens * self.s_per_token
 
     def drain_s(self) -> float:
-        return self.outstanding_tokens * self.s_per_token + (self.s_per_call if self.outstanding_tokens else 0.0)
+        serial = self.outstanding_tokens * self.s_per_token + (self.s_per_call if self.outstanding_tokens else 0.0)
+        return serial / self.lanes
 
     def admit(self, items: int, tokens: int, deadline: float | None, *, now: float | None = None) -> Ticket:
         """Reserve room for `items` texts of `tokens` padded tokens, or raise.

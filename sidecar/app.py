@@ -68,7 +68,7 @@ class Sidecar:
         self.metrics = Metrics()
         hosts = max(1, len(settings.triton.urls)) if self.backend.batches_itself else 1
         self.admission = Admission(max_outstanding_items=(s.max_pending_batches + 1) * s.max_rows_per_pass * hosts,
-                                   budget_s=s.admission_budget_ms / 1e3)
+                                   budget_s=s.admission_budget_ms / 1e3, lanes=self.backend.lanes)
         self.cache = EmbeddingCache(self.backend.version_id, s.cache_entries, s.cache_ttl_s)
         self.health = BackendHealth(self.metrics)
         self.scheduler = FallbackScheduler(self._scheduler_for(self.backend), self._fallback(), self.health)

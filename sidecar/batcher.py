@@ -4,7 +4,8 @@ There is no Triton to batch for the embedded backend, so the sidecar does it: re
 bucket that queue up while a forward pass runs are merged into the next one. At low traffic it does
 not wait for company (a fixed batching wait is the largest single cost at typeahead traffic);
 it waits up to `wait_us` only while arrivals are denser than that wait, i.e. when waiting is likely
-to fill the batch, and stops waiting as soon as the batch is full.
+to fill the batch, and stops waiting as soon as the batch is full. Up to `backend.lanes` passes run
+at once (model.forward_lanes, each on its share of the ORT threads); with one lane, one at a time.
 
 Time comes from an injected `clock` (time.monotonic by default), so tests can replay any arrival
 pattern; the first arrival has no predecessor (a freshly booted machine's monotonic clock is small,
@@ -48,14 +49,18 @@ class MicroBatcher(Scheduler):
         self.tokenizer = tokenizer
         self.max_items = max(1, min(max_items, backend.max_batch))
         self.wait_s = max(wait_us, 0) * 1e-6
-        # Forward passes on the loop itself while nothing else is queued: no thread hop each way.
-        self.inline = inline and backend.runs_inline
+        # Forward passes on the loop itself while nothing else is queued: no thread hop each way
+        # (one lane only: a forward on the loop would hold the other lanes' next batches back).
+        self.lanes = max(1, backend.lanes)
+        self.inline = inline and backend.runs_inline and self.lanes == 1
         self._admission = admission  # learns each forward pass's cost
         self._metrics = metrics
         self._queues: dict[int, deque[_Item]] = {}
         self._clock = clock
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._lane_free = asyncio.Event()  # set when a forward of several lanes finishes
+        self._forwards: set[asyncio.Task[None]] = set()  # forwards in flight beside the loop (lanes > 1)
         self._last_arrival: float | None = None
         self._gap_s = float("inf")  # EMA of the time between submissions; inf until two have arrived
         self._forward_s = 0.0  # EMA of a forward pass's duration (bounds the wait before a deadline)
@@ -71,6 +76,8 @@ class MicroBatcher(Scheduler):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._forwards:  # let the passes in flight answer their callers
+            await asyncio.gather(*self._forwards, return_exceptions=True)
         for q in self._queues.values():
             while q:
                 item = q.popleft()
@@ -111,6 +118,9 @@ class MicroBatcher(Scheduler):
 
     async def _run(self) -> None:
         while True:
+            while len(self._forwards) >= self.lanes:  # every lane busy: the queues keep filling meanwhile
+                self._lane_free.clear()
+                await self._lane_free.wait()
             bucket = self._oldest_bucket()
             if bucket is None:
                 self._wake.clear()
@@ -120,8 +130,18 @@ class MicroBatcher(Scheduler):
             if self.wait_s and self.dense() and self._rows(q) < self.max_items:
                 await self._fill(q)
             items = self._take(q)
-            if items:
+            if not items:
+                continue
+            if self.lanes == 1:
                 await self._forward(bucket, items)
+            else:
+                task = asyncio.get_running_loop().create_task(self._forward(bucket, items), name="forward")
+                self._forwards.add(task)
+                task.add_done_callback(self._lane_done)
+
+    def _lane_done(self, task: asyncio.Task[None]) -> None:
+        self._forwards.discard(task)
+        self._lane_free.set()
 
     async def _fill(self, q: deque[_Item]) -> None:
         """Wait up to wait_s for `q` to fill (each arrival re-checks), ending in time for the head's deadline."""

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from inference.backends.base import Embeddings
+from inference.backends.onnx import OnnxBackend
 from inference.errors import DeadlineExceeded
+from inference.manifest import Manifest
 from inference.tokenizer import QueryTokenizer, TokenBatch
 from sidecar.batcher import MicroBatcher
 from tests.fixtures_sidecar import ProbeBackend
@@ -164,3 +167,51 @@ async def test_inline_is_off_for_a_backend_that_cannot_compute_in_the_callers_th
     finally:
         await b.close()
     assert probe_backend.calls == 1
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+async def test_lanes_bound_the_forward_passes_in_flight(probe_backend: ProbeBackend, tokenizer: QueryTokenizer,
+                                                       lanes: int) -> None:
+    """With two lanes a request that arrives while a pass runs gets its own pass at once; with one
+    it waits for the running one (and then shares the next)."""
+    probe_backend.lanes = lanes
+    ids = tokenizer.encode([f"lane query {i}" for i in range(3)]).ids
+    bucket = tokenizer.buckets[0]
+    b = MicroBatcher(probe_backend, tokenizer, max_items=8, wait_us=0)
+    assert b.lanes == lanes
+    b.start()
+    try:
+        probe_backend.hold.clear()
+        tasks = [asyncio.create_task(b.run(bucket, [ids[0]], None))]
+        for i in (1, 2):
+            for _ in range(2000):  # until the pass before is inside the (held) backend
+                if probe_backend.calls >= min(i, lanes):
+                    break
+                await asyncio.sleep(0.005)
+            tasks.append(asyncio.create_task(b.run(bucket, [ids[i]], None)))
+        await asyncio.sleep(0.05)
+        assert probe_backend.calls == lanes  # passes in flight while the backend holds them
+        probe_backend.hold.set()
+        results = await asyncio.gather(*tasks)
+    finally:
+        await b.close()
+    assert probe_backend.rows == 3 and probe_backend.calls == (2 if lanes == 1 else 3)
+    want = await probe_backend.inner.embed(tokenizer.batch(ids, length=bucket))
+    assert np.abs(np.concatenate([r[0] for r in results]) - want).max() < 1e-5
+
+
+async def test_a_two_lane_backend_runs_concurrent_calls_on_its_share_of_the_threads(
+        onnx_backend: OnnxBackend, model_dir: Path, manifest: Manifest, tokenizer: QueryTokenizer) -> None:
+    two = OnnxBackend(model_dir, manifest, variant="fp32", threads=2, lanes=2)
+    await two.start()
+    try:
+        assert (two.lanes, two.threads) == (2, 1)
+        # No forward on the event loop beside other lanes: it would hold their next batches back.
+        assert not MicroBatcher(two, tokenizer, max_items=8, wait_us=0, inline=True).inline
+        assert MicroBatcher(onnx_backend, tokenizer, max_items=8, wait_us=0, inline=True).inline
+        batches = [tokenizer.batch(tokenizer.encode([f"concurrent {i} milk"]).ids) for i in range(8)]
+        got = await asyncio.gather(*(two.embed(x) for x in batches))
+    finally:
+        await two.close()
+    for x, g in zip(batches, got, strict=True):
+        assert np.abs(g - await onnx_backend.embed(x)).max() < 1e-5  # 1 thread or 2: the same vectors

@@ -133,3 +133,21 @@ def test_timings_are_consistent(sidecar_client: Client, n: int) -> None:
     t = r.timings_ns
     assert t["total"] >= t["inference"] > 0
     assert t["total"] >= t["auth"] + t["cache"] + t["tokenize"]
+
+
+def test_two_forward_lanes_answer_concurrent_callers_with_the_same_vectors(
+        settings: Settings, onnx_backend: OnnxBackend, tokenizer: QueryTokenizer) -> None:
+    """model.forward_lanes = 2: two passes at once, one ORT thread each, admission priced for both."""
+    texts = texts_for_every_bucket(tokenizer)
+    ref = reference(onnx_backend, tokenizer, texts)
+    s = sidecar_settings(settings.with_section("model", forward_lanes=2, intra_op_threads=2), http_port=-1)
+    with SidecarThread(s) as sc:
+        assert (sc.backend.lanes, sc.admission.lanes) == (2, 2)
+
+        async def all_at_once() -> np.ndarray:
+            async with AsyncClient(sc.grpc_target) as c:
+                replies = await asyncio.gather(*(c.embed([t]) for t in texts))
+            return np.stack([r.embeddings[0] for r in replies])
+
+        got = asyncio.run(all_at_once())
+    assert float(np.sum(got * ref, axis=1).min()) >= 0.9999

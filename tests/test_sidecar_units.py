@@ -136,6 +136,16 @@ def test_admission_deadlines_and_cap() -> None:
     a.admit(4, 64, deadline=None)
 
 
+def test_admission_prices_the_queue_over_the_lanes_that_drain_it() -> None:
+    one, two = (Admission(max_outstanding_items=100, s_per_token=1e-4, lanes=n) for n in (1, 2))
+    for a in (one, two):
+        a.admit(4, 64, deadline=None)  # 6.4 ms of work queued
+    assert one.drain_s() == pytest.approx(0.0064) and two.drain_s() == pytest.approx(0.0032)
+    two.admit(1, 16, deadline=100.005, now=100.0)  # 3.2 ms behind two lanes + 1.6 ms of its own: fits
+    with pytest.raises(Overloaded):
+        one.admit(1, 16, deadline=100.005, now=100.0)  # 6.4 + 1.6 ms on one lane does not
+
+
 def test_admission_budget_sheds_a_standing_queue_not_a_burst() -> None:
     a = Admission(max_outstanding_items=1000, s_per_token=1e-4, budget_s=0.010)  # 16 tokens ~ 1.6 ms
     burst = [a.admit(1, 16, deadline=110.0, now=100.0) for _ in range(12)]  # up to 17.6 ms queued: a burst

@@ -25,6 +25,8 @@ class Backend(ABC):
     # True when `embed_sync` computes in the caller's thread (an in-process model): a scheduler
     # may then run it on the event loop itself when nothing else waits, saving the thread hop.
     runs_inline: bool = False
+    # Calls worth running at once: the micro-batcher keeps up to this many forward passes in flight.
+    lanes: int = 1
 
     @abstractmethod
     async def start(self) -> None:

@@ -40,7 +40,7 @@ def make_backend(settings: Settings, kind: str, *, max_batch: int | None = None,
     if kind == "embedded":
         from inference.backends.onnx import OnnxBackend
 
-        return OnnxBackend(m.model_dir, manifest, variant=m.variant, threads=m.intra_op_threads,
+        return OnnxBackend(m.model_dir, manifest, variant=m.variant, threads=m.intra_op_threads, lanes=m.forward_lanes,
                            max_batch=max_batch or m.max_texts_per_call,
                            spinning=m.ort_spinning if spinning is None else spinning, spin_us=m.ort_spin_us)
     try:

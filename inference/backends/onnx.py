@@ -43,11 +43,14 @@ class OnnxBackend(Backend):
     runs_inline = True
 
     def __init__(self, model_dir: Path, manifest: Manifest, *, variant: str | None = None,
-                 threads: int = 0, max_batch: int = 256, spinning: bool = True, spin_us: int = 0) -> None:
+                 threads: int = 0, max_batch: int = 256, spinning: bool = True, spin_us: int = 0,
+                 lanes: int = 1) -> None:
+        """`threads`: ORT threads in all (0 = every core), split over `lanes` calls that may run at once."""
         self.manifest = manifest
         self.variant_name = variant or manifest.default_variant
         self._path = model_dir / manifest.variant(self.variant_name).file
-        self._threads = threads
+        self.lanes = max(1, lanes)
+        self.threads = max(1, (threads if threads > 0 else (os.cpu_count() or 1)) // self.lanes)  # per call
         self._spinning = spinning
         self._spin_us = spin_us
         self.version_id = manifest.variant_id(self.variant_name)
@@ -55,16 +58,16 @@ class OnnxBackend(Backend):
         self.max_batch = max_batch
         self._sess: Any = None
         self._inputs: tuple[str, ...] = ()
-        # One ORT call at a time: ORT already uses every core per call; concurrent calls on
-        # 2 cores only fight over them and lengthen the tail.
-        self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ort")
+        # At most `lanes` ORT calls at a time, each on its share of the threads: more calls than
+        # that only fight over the cores and lengthen the tail. (A session runs concurrent calls.)
+        self._lock = threading.BoundedSemaphore(self.lanes)
+        self._executor = ThreadPoolExecutor(max_workers=self.lanes, thread_name_prefix="ort")
         self._ready = False
 
     # --- lifecycle -------------------------------------------------------------------------
     def load(self) -> None:
         if self._sess is None:
-            sess = make_session(self._path, self._threads, self._spinning, self._spin_us)
+            sess = make_session(self._path, self.threads, self._spinning, self._spin_us)
             self._inputs = tuple(i.name for i in sess.get_inputs())
             self._sess = sess
 

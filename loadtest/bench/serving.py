@@ -341,6 +341,7 @@ def start_contenders(settings: Settings, cfg: ServingConfig, variant: str,
     logs.mkdir(parents=True, exist_ok=True)
     # The flags' model settings reach the child processes too (SidecarProcess passes only the model).
     env = {env_name("model", "intra_op_threads"): str(settings.model.intra_op_threads),
+           env_name("model", "forward_lanes"): str(settings.model.forward_lanes),
            env_name("model", "ort_spinning"): "1" if settings.model.ort_spinning else "0",
            env_name("model", "ort_spin_us"): str(settings.model.ort_spin_us)}
     out: list[Contender] = []
