@@ -60,7 +60,7 @@ class OnnxBackend(Backend):
         self._inputs: tuple[str, ...] = ()
         # At most `lanes` ORT calls at a time, each on its share of the threads: more calls than
         # that only fight over the cores and lengthen the tail. (A session runs concurrent calls.)
-        self._lock = threading.BoundedSemaphore(self.lanes)
+        self._calls = threading.BoundedSemaphore(self.lanes)
         self._executor = ThreadPoolExecutor(max_workers=self.lanes, thread_name_prefix="ort")
         self._ready = False
 
@@ -99,7 +99,7 @@ class OnnxBackend(Backend):
         if batch.shape[0] > self.max_batch:
             raise InvalidInput(f"batch of {batch.shape[0]} is over the backend maximum {self.max_batch}")
         feed = {k: v for k, v in batch.arrays().items() if k in self._inputs}
-        with self._lock:
+        with self._calls:
             try:
                 out = self._sess.run(["last_hidden_state"], feed)[0]
             except Exception as exc:
