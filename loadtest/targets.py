@@ -61,14 +61,17 @@ class PoolTarget(Target):
             raise InvalidInput("a pool needs at least one target")
         self.members = list(members)
         self.name = self.members[0].name
-        self._next = itertools.cycle(self.members)
+        self.calls = [0] * len(self.members)  # requests sent to each, warm-up included
+        self._next = itertools.cycle(range(len(self.members)))
 
     async def start(self) -> None:
         for m in self.members:
             await m.start()
 
     async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
-        return await next(self._next).call(texts, timeout_s=timeout_s)
+        i = next(self._next)
+        self.calls[i] += 1
+        return await self.members[i].call(texts, timeout_s=timeout_s)
 
     async def close(self) -> None:
         for m in self.members:
@@ -78,7 +81,8 @@ class PoolTarget(Target):
         return await self.members[0].server_stats()  # members share any Triton they report on
 
     def describe(self) -> dict[str, Any]:
-        return {**self.members[0].describe(), "pool": [m.describe() for m in self.members]}
+        return {**self.members[0].describe(),
+                "pool": [{**m.describe(), "requests": n} for m, n in zip(self.members, self.calls, strict=True)]}
 
 
 class SidecarEmbedTarget(Target):

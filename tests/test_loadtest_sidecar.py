@@ -41,6 +41,22 @@ async def test_grpc_embed_target_against_a_real_sidecar(sidecar_embedded: Any, t
         assert s.timings_ns is not None and s.latency_s * 1e9 >= s.timings_ns["total"]
 
 
+def test_several_addresses_are_a_pool_spread_round_robin(sidecar_embedded: Any, tmp_path: Path, model_dir: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`--sidecar a,b` (running sidecars): one connection each, requests alternating over them."""
+    a = sidecar_embedded.grpc_target
+    b = f"localhost:{sidecar_embedded.grpc_port}"  # the same sidecar under a second name: a second connection
+    rc = cli_main(["loadtest", "--target", "sidecar-stream", "--sidecar", f"{a}, {b}", "--rate", "10",
+                   "--duration", "1", "--warmup", "0.4", "--no-cache", "--deadline-ms", "30000", "--sla-ms", "30000",
+                   "--models-dir", str(model_dir.parent), "--out", str(tmp_path), "--name", "remote-pool"])
+    summary = json.loads((tmp_path / "remote-pool.json").read_text())
+    assert rc == 0 and summary["ok"] == 10, summary["error_examples"]
+    assert [(m["address"], m["requests"]) for m in summary["target"]["pool"]] == [(a, 7), (b, 7)]  # 14 with warm-up
+    rc = cli_main(["loadtest", "--target", "sidecar-stream@2", "--sidecar", a, "--duration", "1",
+                   "--models-dir", str(model_dir.parent), "--out", str(tmp_path)])
+    assert rc == 2 and "@N starts N sidecars" in capsys.readouterr().err  # a pool of running ones: addresses
+
+
 async def test_http_target_against_a_real_sidecar(sidecar_embedded: Any, tokenizer: QueryTokenizer) -> None:
     texts = query_stream(tokenizer, CONFIG.requests, seed=12, unique=True)
     result = await _run(HttpEmbedTarget(f"http://127.0.0.1:{sidecar_embedded.http_port}"), texts)
