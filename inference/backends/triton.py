@@ -230,17 +230,10 @@ class TritonBackend(Backend):
     def _request(self, batch: TokenBatch, timeout_s: float) -> Any:
         from tritonclient.grpc import service_pb2 as pb
 
-        arrays = batch.arrays()
-        if batch.token_type_ids is None and "token_type_ids" in self._input_types:
-            arrays["token_type_ids"] = np.zeros_like(batch.input_ids)
         req = pb.ModelInferRequest(model_name=self.model_name)
-        for name, dtype in self._input_types.items():
-            if name not in arrays:
-                raise InvalidInput(f"Triton model {self.model_name} needs input {name!r}")
-            # One cast (int64 -> int32 halves the bytes) and one serialisation into the raw contents.
-            arr = np.ascontiguousarray(arrays[name], dtype=np.dtype(dtype).newbyteorder("<"))
-            req.inputs.add(name=name, datatype=WIRE_TYPES[dtype], shape=arr.shape)
-            req.raw_input_contents.append(arr.tobytes())
+        for name, datatype, arr in wire_inputs(batch, self._input_types, self.model_name):
+            req.inputs.add(name=name, datatype=datatype, shape=arr.shape)
+            req.raw_input_contents.append(arr.tobytes())  # one serialisation into the raw contents
         req.outputs.add(name=OUTPUT)
         # Triton's own server-side timeout (µs): a request that waited past it is not computed.
         req.parameters["timeout"].int64_param = int(timeout_s * 1_000_000)
@@ -310,6 +303,21 @@ class TritonBackend(Backend):
                 for k, v in flat.items():
                     acc[k] = acc.get(k, 0) + v
         return out
+
+
+def wire_inputs(batch: TokenBatch, input_types: dict[str, Any], model: str) -> list[tuple[str, str, np.ndarray]]:
+    """(name, Triton datatype, little-endian array) per input `model` declares, in its order: one
+    cast each (int64 -> int32 halves the bytes); token_type_ids zeros where the batch has none."""
+    arrays = batch.arrays()
+    if batch.token_type_ids is None and "token_type_ids" in input_types:
+        arrays["token_type_ids"] = np.zeros_like(batch.input_ids)
+    out = []
+    for name, dtype in input_types.items():
+        if name not in arrays:
+            raise InvalidInput(f"Triton model {model} needs input {name!r}")
+        arr = np.ascontiguousarray(arrays[name], dtype=np.dtype(dtype).newbyteorder("<"))
+        out.append((name, WIRE_TYPES[dtype], arr))
+    return out
 
 
 def flatten_statistics(raw: dict[str, Any]) -> dict[str, dict[str, float | int]]:

@@ -339,10 +339,9 @@ def start_contenders(settings: Settings, cfg: ServingConfig, variant: str,
     kinds = cfg.kinds_for(variant)
     logs = cfg.log_dir
     logs.mkdir(parents=True, exist_ok=True)
-    # The flags' model settings reach the child processes too (SidecarProcess passes only the model).
-    env = {env_name("model", "intra_op_threads"): str(settings.model.intra_op_threads),
-           env_name("model", "forward_lanes"): str(settings.model.forward_lanes),
-           env_name("model", "ort_spinning"): "1" if settings.model.ort_spinning else "0",
+    # The flags' spinning settings reach the child processes too (SidecarProcess passes the model, its
+    # threads and lanes).
+    env = {env_name("model", "ort_spinning"): "1" if settings.model.ort_spinning else "0",
            env_name("model", "ort_spin_us"): str(settings.model.ort_spin_us)}
     out: list[Contender] = []
     sidecar: Any = None

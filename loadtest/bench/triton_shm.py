@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from inference.backends.triton import ID_TYPES, OUTPUT, WIRE_TYPES, map_error
+from inference.backends.triton import ID_TYPES, OUTPUT, map_error, wire_inputs
 from inference.errors import Internal, InvalidInput
 from inference.manifest import Manifest
 from inference.tokenizer import TokenBatch
@@ -64,15 +64,11 @@ class SharedMemoryCaller:
         b, n = batch.shape
         if b > self.max_rows or n > self.max_tokens:
             raise InvalidInput(f"batch {batch.shape} is over the region's {self.max_rows} x {self.max_tokens}")
-        arrays = batch.arrays()
-        if batch.token_type_ids is None and "token_type_ids" in self._types:
-            arrays["token_type_ids"] = np.zeros_like(batch.input_ids)
         req = pb.ModelInferRequest(model_name=ENSEMBLE)
         offset = 0
-        for name, dtype in self._types.items():
-            arr = np.ascontiguousarray(arrays[name], dtype=np.dtype(dtype).newbyteorder("<"))
+        for name, datatype, arr in wire_inputs(batch, self._types, ENSEMBLE):
             shm.set_shared_memory_region(self._handle, [arr], offset=offset)
-            t = req.inputs.add(name=name, datatype=WIRE_TYPES[dtype], shape=arr.shape)
+            t = req.inputs.add(name=name, datatype=datatype, shape=arr.shape)
             _place(t.parameters, self.name, arr.nbytes, offset)
             offset += arr.nbytes
         out_bytes = b * self.manifest.dim * 4
