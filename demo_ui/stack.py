@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from demo_ui.settings import Settings
+from inference import heap
 from inference.backends.factory import check_kind
 from inference.errors import Unavailable
 from inference.lifecycle import sigterm_as_interrupt
@@ -92,8 +93,9 @@ def sidecar_settings(settings: Settings, index_dir: Path) -> Settings:
 
 
 async def serve(prepared: Prepared, say: Say, *, stop: asyncio.Event | None = None,
-                on_ready: Callable[[str], None] | None = None) -> None:
-    """Sidecar + demo web server until `stop` is set (or SIGINT/SIGTERM)."""
+                on_ready: Callable[[str], None] | None = None, settle_heap: bool = False) -> None:
+    """Sidecar + demo web server until `stop` is set (or SIGINT/SIGTERM). `settle_heap`: this
+    process is the demo's own (see Sidecar)."""
     from demo_ui.search import ServiceSearch
     from demo_ui.server import build_server, create_app
     from sidecar.app import Sidecar
@@ -108,7 +110,7 @@ async def serve(prepared: Prepared, say: Say, *, stop: asyncio.Event | None = No
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, stop.set)
                 stack.callback(loop.remove_signal_handler, sig)
-        car = Sidecar(settings)
+        car = Sidecar(settings, settle_heap=settle_heap)
         await car.start()
         stack.push_async_callback(car.stop, settings.sidecar.grace_s)
         info = {"backend": prepared.backend, "model": prepared.model_id, "index": prepared.index_dir.name}
@@ -121,6 +123,8 @@ async def serve(prepared: Prepared, say: Say, *, stop: asyncio.Event | None = No
             if task.done():  # e.g. the port is taken: uvicorn logged why
                 raise Unavailable(f"demo web server could not start on {demo.host}:{demo.port}")
             await asyncio.sleep(0.02)
+        if settle_heap:  # the web server's objects too, created after the sidecar settled
+            heap.settle()
         url = f"http://{demo.host}:{server.port}/"
         say(f"demo ready: {url}  (backend {prepared.backend}; Ctrl-C to stop)")
         if on_ready:
@@ -143,7 +147,7 @@ def run_demo(settings: Settings, *, backend: str = "auto", say: Say = print) -> 
             if prepared.backend == "triton":
                 s, triton = start_triton(prepared.settings, say)
                 prepared = Prepared(s, prepared.backend, prepared.model_id, prepared.index_dir)
-        asyncio.run(serve(prepared, say))
+        asyncio.run(serve(prepared, say, settle_heap=True))
     except KeyboardInterrupt:
         say("interrupted")
         return 130

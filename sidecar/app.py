@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from grpc_health.v1._async import HealthServicer
 
+from inference import heap
 from inference.backends.base import Backend
 from inference.backends.factory import make_backend
 from inference.embedder import load_tokenizer
@@ -55,8 +56,12 @@ FALLBACK = "embedded-fallback"  # how replies and metrics name the fallback when
 
 class Sidecar:
     def __init__(self, settings: Settings, *, backend: Backend | None = None,
-                 index: ProductIndex | None = None) -> None:
+                 index: ProductIndex | None = None, settle_heap: bool = False) -> None:
+        """`settle_heap`: this sidecar owns its process (`sidecar serve`, the demo): once started, and
+        after each index load, it freezes the heap out of the garbage collector's full collections
+        (inference.heap). Off for a sidecar embedded in another program, whose heap is not its own."""
         s = settings.sidecar
+        self._settle_heap = settle_heap
         self.settings = settings
         self.keys = KeyRing.from_settings(s)
         check_bind(s.host, self.keys)
@@ -73,7 +78,8 @@ class Sidecar:
         self.health = BackendHealth(self.metrics)
         self.scheduler = FallbackScheduler(self._scheduler_for(self.backend), self._fallback(), self.health)
         self.index = IndexHolder(index, index_root=s.index_dir, expected_model_id=self.backend.version_id,
-                                 poll_s=s.index_poll_s, catalog=settings.catalog)
+                                 poll_s=s.index_poll_s, catalog=settings.catalog,
+                                 on_load=self._settle if settle_heap else None)
         self.pipeline = EmbedPipeline(
             tokenizer=self.tokenizer, lowercase=self.manifest.lowercase, cache=self.cache, admission=self.admission,
             scheduler=self.scheduler, metrics=self.metrics, dim=self.backend.dim,
@@ -168,12 +174,18 @@ class Sidecar:
         await self.index.start()
         if s.warm_queries_file is not None:
             await self.warm_cache(s.warm_queries_file)
+        if self._settle_heap:
+            self._settle()
         self.health.mark(True)
         await self._set_health(True)
         self._monitor = loop.create_task(self._watch_backend(), name="backend-health")
         log.info("sidecar serving model %s on grpc %s:%d%s, http %s", self.service.model, s.host, self.grpc_port,
                  f" and {self.uds.path}" if self.uds is not None else "",
                  self.http_port if self.http_port is not None else "off")
+
+    def _settle(self) -> None:
+        frozen = heap.settle()
+        log.info("heap settled: %d objects frozen out of full collections", frozen)
 
     async def stop(self, grace_s: float | None = None) -> None:
         grace = self.settings.sidecar.grace_s if grace_s is None else grace_s

@@ -51,7 +51,7 @@ async def _serve_async(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    sidecar = Sidecar(settings)
+    sidecar = Sidecar(settings, settle_heap=True)
     await sidecar.start()
     print(f"sidecar ready: grpc {settings.sidecar.host}:{sidecar.grpc_port}"
           f"{f', grpc {sidecar.uds_target}' if sidecar.uds_target is not None else ''}"

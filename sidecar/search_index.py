@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,8 +29,11 @@ log = logging.getLogger(__name__)
 
 class IndexHolder:
     def __init__(self, index: ProductIndex | None = None, *, catalog: CatalogSettings, index_root: Path | None = None,
-                 expected_model_id: str | None = None, poll_s: float = 5.0) -> None:
+                 expected_model_id: str | None = None, poll_s: float = 5.0,
+                 on_load: Callable[[], object] | None = None) -> None:
+        """`on_load` runs on the loop after each index is opened or swapped in (the sidecar settles its heap)."""
         self._index = index
+        self._on_load = on_load
         self._root = index_root
         self._expected = expected_model_id
         self._poll_s = poll_s
@@ -80,9 +83,14 @@ class IndexHolder:
             self._index = await asyncio.to_thread(
                 lambda: ProductIndex.from_settings(self._catalog, expected_model_id=self._expected, index_root=root))
             log.info("serving product index %s (%d items) from %s", self._index.version, self._index.size, root)
+            self._loaded()
         except EmbedcarError as exc:
             self._why = exc.message
             self._retry_helps = isinstance(exc, Unavailable)
+
+    def _loaded(self) -> None:
+        if self._on_load is not None:
+            self._on_load()
 
     async def _poll(self) -> None:
         while True:
@@ -95,6 +103,7 @@ class IndexHolder:
                     # reports the version it searched (the Search reply names it).
                     self._index = newer
                     log.info("product index reloaded: version %s", newer.version)
+                    self._loaded()
             except Exception:  # keep serving the version we have
                 log.exception("product index reload failed")
 
