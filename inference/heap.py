@@ -9,13 +9,16 @@ has loaded gRPC, FastAPI, FAISS and its index (~150k objects) each one paused ev
   collection scans, so later full collections see only what was created since.
 - A bounded measurement (the load generator's run) wraps itself in `no_full_collections()`, so
   the tool that measures others' pauses adds none of its own; young collections still run.
+- `watch_pauses()` reports each collection's pause (the sidecar's `embedcar_gc_pause_seconds`).
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 # Full collections happen after this many young-generation-1 collections (and CPython's own 25 %
 # growth rule): large enough never to be reached within a run.
@@ -45,3 +48,17 @@ def no_full_collections() -> Iterator[None]:
     finally:
         gc.set_threshold(young, middle, old)
         gc.unfreeze()
+
+
+def watch_pauses(observe: Callable[[int, float], None]) -> Callable[[], None]:
+    """Call `observe(generation, seconds)` after every collection; returns what stops it."""
+    started = [0.0]
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            observe(int(info["generation"]), time.perf_counter() - started[0])
+
+    gc.callbacks.append(callback)
+    return lambda: gc.callbacks.remove(callback)

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
@@ -62,6 +62,7 @@ class Sidecar:
         (inference.heap). Off for a sidecar embedded in another program, whose heap is not its own."""
         s = settings.sidecar
         self._settle_heap = settle_heap
+        self._unwatch_gc: Callable[[], None] | None = None
         self.settings = settings
         self.keys = KeyRing.from_settings(s)
         check_bind(s.host, self.keys)
@@ -158,6 +159,8 @@ class Sidecar:
         s = self.settings.sidecar
         self._health = HealthServicer()
         await self._set_health(False)  # NOT_SERVING until the backend is warm
+        if self._settle_heap:  # the process's collector is ours to report
+            self._unwatch_gc = heap.watch_pauses(self.metrics.observe_gc_pause)
         servicer = EmbedderServicer(self.service, self.metrics)
         self._grpc, self.grpc_port, self.uds = create_server(s, servicer, self._health)
         await self._grpc.start()
@@ -213,6 +216,9 @@ class Sidecar:
         await self.index.close()
         if self._owns_backend:
             await self.backend.close()
+        if self._unwatch_gc is not None:
+            self._unwatch_gc()
+            self._unwatch_gc = None
 
     async def __aenter__(self) -> Self:
         await self.start()

@@ -74,6 +74,13 @@ class Metrics:
                                        ["backend"], registry=r)
         self.backend_up = Gauge("embedcar_backend_up", "1 while the backend serves.", registry=r)
         self.cache_entries = Gauge("embedcar_cache_entries", "Entries in the embedding cache.", registry=r)
+        self.gc_pause = Histogram("embedcar_gc_pause_seconds", "Garbage-collector pauses of the sidecar's process "
+                                  "by generation (2 = full), each stopping every request in flight.",
+                                  ["generation"], buckets=LATENCY_BUCKETS, registry=r)
+        self._gc_pause = [self.gc_pause.labels(str(g)) for g in range(3)]
+
+    def observe_gc_pause(self, generation: int, seconds: float) -> None:
+        self._gc_pause[min(generation, 2)].observe(seconds)
 
     def observe_timings(self, rpc: str, timings_ns: dict[str, int]) -> None:
         self.stages.observe(rpc, timings_ns)

@@ -45,6 +45,33 @@ def test_no_full_collections_within_and_the_collector_restored_after(unfrozen: N
     assert gc.get_threshold() == (young, middle, old) and gc.get_freeze_count() == 0
 
 
+def test_watch_pauses_reports_each_collection_until_stopped() -> None:
+    seen: list[tuple[int, float]] = []
+    stop = heap.watch_pauses(lambda gen, s: seen.append((gen, s)))
+    try:
+        gc.collect()
+        gc.collect(0)
+    finally:
+        stop()
+    assert [g for g, _ in seen[-2:]] == [2, 0] and all(s >= 0 for _, s in seen)
+    n = len(seen)
+    gc.collect()
+    assert len(seen) == n
+
+
+def test_a_sidecar_in_its_own_process_exports_its_pauses() -> None:
+    from sidecar.metrics import Metrics
+
+    m = Metrics()
+    stop = heap.watch_pauses(m.observe_gc_pause)
+    try:
+        gc.collect()
+    finally:
+        stop()
+    text = m.render().decode()
+    assert 'embedcar_gc_pause_seconds_count{generation="2"} 1.0' in text
+
+
 def _publish(s: Settings, n: int, seed: int) -> Path:
     x = np.random.default_rng(seed).standard_normal((n, 16)).astype(np.float32)
     x /= np.linalg.norm(x, axis=1, keepdims=True)
