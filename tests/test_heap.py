@@ -31,7 +31,7 @@ def unfrozen() -> Iterator[None]:
 
 def test_settle_freezes_what_exists_and_leaves_later_objects_to_the_collector(unfrozen: None) -> None:
     frozen = heap.settle()
-    assert frozen > 1000 and gc.get_freeze_count() == frozen
+    assert frozen > 1000 and 0 < gc.get_freeze_count() <= frozen  # frozen objects still die by refcount
     later = [[i] for i in range(100)]
     tracked = {id(o) for o in gc.get_objects()}
     assert all(id(x) in tracked for x in later)  # new objects are still collected as usual
