@@ -40,8 +40,7 @@ def settle() -> int:
 def no_full_collections() -> Iterator[None]:
     """Within: the heap as it was is frozen and no full collection runs; afterwards both undone."""
     young, middle, old = gc.get_threshold()
-    gc.collect()
-    gc.freeze()
+    settle()
     gc.set_threshold(young, middle, _NEVER)
     try:
         yield

@@ -63,6 +63,7 @@ class Sidecar:
         s = settings.sidecar
         self._settle_heap = settle_heap
         self._unwatch_gc: Callable[[], None] | None = None
+        self._settled = False
         self.settings = settings
         self.keys = KeyRing.from_settings(s)
         check_bind(s.host, self.keys)
@@ -80,7 +81,7 @@ class Sidecar:
         self.scheduler = FallbackScheduler(self._scheduler_for(self.backend), self._fallback(), self.health)
         self.index = IndexHolder(index, index_root=s.index_dir, expected_model_id=self.backend.version_id,
                                  poll_s=s.index_poll_s, catalog=settings.catalog,
-                                 on_load=self._settle if settle_heap else None)
+                                 on_load=self._index_loaded if settle_heap else None)
         self.pipeline = EmbedPipeline(
             tokenizer=self.tokenizer, lowercase=self.manifest.lowercase, cache=self.cache, admission=self.admission,
             scheduler=self.scheduler, metrics=self.metrics, dim=self.backend.dim,
@@ -188,7 +189,12 @@ class Sidecar:
 
     def _settle(self) -> None:
         frozen = heap.settle()
+        self._settled = True
         log.info("heap settled: %d objects frozen out of full collections", frozen)
+
+    def _index_loaded(self) -> None:
+        if self._settled:  # an index opened during start() is settled with everything else at its end
+            self._settle()
 
     async def stop(self, grace_s: float | None = None) -> None:
         grace = self.settings.sidecar.grace_s if grace_s is None else grace_s
