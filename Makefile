@@ -9,7 +9,7 @@ MODEL := models/all-MiniLM-L6-v2/manifest.json
 # dependencies: we use only the binary, and its Python API pins numpy < 2.
 PYTRITON := nvidia-pytriton==0.7.0
 
-.PHONY: install model demo test faults lint lock clean browser infinity
+.PHONY: install model demo test faults lint lock clean browser native infinity
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -28,7 +28,7 @@ model: $(MODEL)
 demo: $(MODEL)
 	$(BIN)/embedcar demo
 
-test: $(MODEL) browser
+test: $(MODEL) browser native
 	$(BIN)/python -m pytest -q -ra
 
 # The fault suite at full length (tens of minutes, wants an otherwise idle machine): docs/reliability.md.
@@ -41,6 +41,13 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
 	  || echo "chromium could not be installed: the browser test will be skipped"; }
+
+# gRPC's C++ library for the load generator's compiled sender (loadtest/native.py builds it on first
+# use). Best effort: without it the native-client tests skip and say why.
+native:
+	@test -f /usr/include/grpcpp/generic/generic_stub.h || { \
+	  (apt-get update -qq && apt-get install -y -qq g++ libgrpc++-dev) >/dev/null 2>&1 \
+	  || echo "libgrpc++-dev could not be installed: the native load generator's tests will be skipped"; }
 
 # Infinity (infinity-emb) in its own venv, for `embedcar bench serving` and `loadtest --target infinity`.
 # torch 2.13.0 first: a CPU wheel on local disk (any other pin downloads a multi-GB CUDA build).

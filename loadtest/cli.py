@@ -23,6 +23,7 @@ from inference.embedder import load_tokenizer
 from inference.errors import InvalidInput
 from inference.flags import flag_overrides
 from inference.manifest import load_manifest
+from loadtest.native import NativeTarget
 from loadtest.proc_cpu import CpuMeter
 from loadtest.queries import QueryMix
 from loadtest.report import Summary, cpu_per_request, markdown, summarize, write_comparison, write_run
@@ -49,8 +50,10 @@ def register(sub: Any) -> None:
     what = p.add_argument_group("what to test")
     what.add_argument("--target", default="sidecar-embed",
                       help=f"{' | '.join(TARGETS)}, optionally :embedded or :triton for the sidecar's backend "
-                           "with --start-stack (default sidecar-embed), and @N for N sidecar processes sharing "
-                           "the cores (the model's threads split between them), requests spread round-robin")
+                           "with --start-stack (default sidecar-embed), @N for N sidecar processes sharing "
+                           "the cores (the model's threads split between them), requests spread round-robin, "
+                           "and +native for sidecar-embed/-stream/-search sent by the compiled C++ client "
+                           "instead of Python's (its CPU per call a search node's, not grpc.aio's)")
     what.add_argument("--compare", default=None,
                       help="comma-separated targets run one after another on the same query stream, "
                            "e.g. baseline,sidecar-embed:embedded,sidecar-embed:triton")
@@ -170,6 +173,8 @@ def main(args: argparse.Namespace) -> int:
                                   index_dir=args.index_dir, log_dir=args.log_dir, infinity_exe=args.infinity_exe,
                                   pids=pids, triton_trace=trace)
                       if args.start_stack else _remote_target(spec, args, settings, api_key))
+            if spec.client == "native":
+                target = NativeTarget.wrap(target)
             if rates:
                 sname = f"{args.name or spec.label.replace(':', '-')}-{variant}-sweep-{cache_tag}"
                 mix = QueryMix(tokenizer, seed=args.seed, repeat_share=args.repeat_share, unique=args.no_cache)

@@ -19,6 +19,7 @@ import numpy as np
 
 from inference import heap
 from inference.errors import DeadlineExceeded, EmbedcarError, Internal, InvalidInput
+from loadtest.native import NativeTarget, run_native
 from loadtest.schedule import PacerReport, arrival_offsets, pace, pacer_report
 from loadtest.targets import Target, Timings
 
@@ -94,6 +95,8 @@ async def run_load(target: Target, texts: Sequence[str], config: RunConfig) -> R
     config.validate()
     if not texts:
         raise InvalidInput("no queries to send")
+    if isinstance(target, NativeTarget):  # the compiled sender keeps the schedule itself
+        return await run_native(target, texts, config)
     offsets = arrival_offsets(config.rate, config.warmup_s + config.duration_s, arrivals=config.arrivals,
                               seed=config.seed)
     n = len(offsets)

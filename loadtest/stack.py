@@ -42,21 +42,29 @@ log = logging.getLogger(__name__)
 
 
 SIDECAR_TARGETS = ("sidecar-embed", "sidecar-stream", "sidecar-search", "http")
+NATIVE_TARGETS = ("sidecar-embed", "sidecar-stream", "sidecar-search")  # what `+native` can send
+CLIENTS = ("python", "native")
 
 
 @dataclass(frozen=True, slots=True)
 class TargetSpec:
-    """`target[:backend][@processes]` as given to --target/--compare, e.g. "sidecar-embed:triton",
-    or "sidecar-stream:embedded@2": two sidecar processes sharing the cores (model threads split
-    between them), requests spread round-robin over one connection to each."""
+    """`target[:backend][@processes][+native]` as given to --target/--compare, e.g.
+    "sidecar-embed:triton", "sidecar-stream:embedded@2" (two sidecar processes sharing the cores,
+    model threads split between them, requests spread round-robin over one connection to each), or
+    "sidecar-stream:embedded+native": the calls sent by the compiled client (loadtest/native.py)."""
 
     target: str
     backend: str
     processes: int = 1
+    client: str = "python"
 
     @classmethod
     def parse(cls, text: str, default_backend: str = "embedded") -> TargetSpec:
-        head, _, count = text.strip().partition("@")
+        text, plus, client = text.strip().partition("+")
+        if plus and client not in CLIENTS:
+            raise InvalidInput(f"{text}+{client}: the client after + is one of {', '.join(CLIENTS)}")
+        client = client or "python"
+        head, _, count = text.partition("@")
         target, _, backend = head.partition(":")
         backend = backend or default_backend
         if target not in TARGETS:
@@ -68,13 +76,17 @@ class TargetSpec:
         if processes < 1 or (processes > 1 and target not in SIDECAR_TARGETS):
             raise InvalidInput(f"{text!r}: @N takes N >= 1, and only for a sidecar target "
                                f"({', '.join(SIDECAR_TARGETS)})")
-        return cls(target, check_kind(backend), processes)
+        if client == "native" and (target not in NATIVE_TARGETS or processes > 1):
+            raise InvalidInput(f"{text}+native: the native client sends gRPC calls to one sidecar "
+                               f"({', '.join(NATIVE_TARGETS)}, without @N)")
+        return cls(target, check_kind(backend), processes, client)
 
     @property
     def label(self) -> str:
         if self.target in ("baseline", "triton", "inprocess", "stub", "infinity"):
             return self.target
-        return f"{self.target}:{self.backend}" + (f"@{self.processes}" if self.processes > 1 else "")
+        return (f"{self.target}:{self.backend}" + (f"@{self.processes}" if self.processes > 1 else "")
+                + ("+native" if self.client == "native" else ""))
 
 
 class SidecarProcess:

@@ -94,8 +94,8 @@ class SidecarEmbedTarget(Target):
     def __init__(self, grpc_target: str, *, api_key: str | None = None, float16: bool = False,
                  triton_stats_url: str | None = None) -> None:
         self.grpc_target = grpc_target
-        self._api_key = api_key
-        self._float16 = float16
+        self.api_key = api_key
+        self.float16 = float16
         self._client: Any = None
         self._stats = TritonStats(triton_stats_url) if triton_stats_url else None
         self.model = ""
@@ -103,13 +103,13 @@ class SidecarEmbedTarget(Target):
     async def start(self) -> None:
         from sidecar.client import AsyncClient
 
-        self._client = AsyncClient(self.grpc_target, api_key=self._api_key, stream=self.stream)
+        self._client = AsyncClient(self.grpc_target, api_key=self.api_key, stream=self.stream)
         await self._client.__aenter__()
         if self._stats is not None:
             await self._stats.start()
 
     async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
-        res = await self._client.embed(texts, float16=self._float16, timeout_s=timeout_s)
+        res = await self._client.embed(texts, float16=self.float16, timeout_s=timeout_s)
         self.model = res.model
         return dict(res.timings_ns)
 

@@ -1,0 +1,270 @@
+"""The load generator's compiled sender: a sidecar's gRPC calls sent on schedule from C++.
+
+On two shared cores the load generator's own CPU is in every latency it reports, and a Python
+grpc.aio client costs ~0.5 ms of CPU per call: more than the sidecar's own stages. A search node
+calls from a compiled client; `loadtest/native/loadgen.cc` is one, on gRPC's C core (the library
+the sidecar's server runs on), so a load test can measure what such a caller sees. Python still
+does everything but the sending: it builds the schedule and the serialized requests, reads the
+records back and summarizes them exactly as for the Python client (`loadtest.runner`).
+
+Built on first use into `var/loadgen/` (g++ and gRPC's C++ library: Debian's `libgrpc++-dev`,
+which `make test` installs when it can); `native_unavailable_reason()` says why it cannot be.
+Targets: `sidecar-embed`, `sidecar-stream`, `sidecar-search` with the `+native` suffix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+
+from inference.errors import Internal, InvalidInput, Unavailable
+from loadtest.schedule import arrival_offsets, pacer_report
+from loadtest.targets import SidecarEmbedTarget, SidecarSearchTarget, SidecarStreamTarget, Target, Timings
+from sidecar.client import embed_request, search_request, stream_error
+from sidecar.errors import from_grpc
+from sidecar.proto import embedcar_pb2 as pb
+from sidecar.timings import STAGES
+
+if TYPE_CHECKING:
+    from loadtest.runner import RunConfig, RunResult
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "native" / "loadgen.cc"
+BUILD_DIR = Path("var/loadgen")
+CXX_FLAGS = ("-O2", "-std=c++17", "-Wall", "-Wextra")
+# Without pkg-config's answer (Debian's grpc++.pc wants protobuf's, absent without libprotobuf-dev).
+FALLBACK_LIBS = ("-lgrpc++", "-lgrpc", "-lgpr", "-labsl_synchronization", "-lpthread")
+INSTALL_HINT = "it needs g++ and gRPC's C++ library (Debian: apt-get install libgrpc++-dev)"
+API_KEY_ENV = "EMBEDCAR_LOADGEN_API_KEY"
+_RECORD = struct.Struct("<qqiI")  # send_lag_ns, latency_ns, code, body length
+_STATUS_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+
+_built: dict[Path, Path] = {}
+
+
+def _libs() -> list[str]:
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        out = subprocess.run(["pkg-config", "--libs", "grpc++"], capture_output=True, text=True, check=True)
+        return [*out.stdout.split(), "-lpthread"]
+    return list(FALLBACK_LIBS)
+
+
+def build_loadgen(build_dir: Path = BUILD_DIR) -> Path:
+    """The sender's executable, compiled once per source version (atomically: parallel runs are safe)."""
+    key = build_dir.resolve()
+    if key in _built and _built[key].exists():
+        return _built[key]
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(CXX_FLAGS).encode()).hexdigest()[:12]
+    exe = build_dir / f"embedcar-loadgen-{digest}"
+    if not exe.exists():
+        cxx = shutil.which("g++") or shutil.which("c++")
+        if cxx is None:
+            raise Unavailable(f"cannot build the native load generator: no C++ compiler; {INSTALL_HINT}")
+        build_dir.mkdir(parents=True, exist_ok=True)
+        tmp = build_dir / f".{exe.name}.{os.getpid()}.tmp"
+        log.info("building the native load generator (%s)", exe)
+        proc = subprocess.run([cxx, *CXX_FLAGS, "-o", str(tmp), str(SOURCE), *_libs()], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            tail = " ".join(proc.stderr.strip().splitlines()[-3:])[:400]
+            raise Unavailable(f"cannot build the native load generator ({tail}); {INSTALL_HINT}")
+        tmp.replace(exe)
+    _built[key] = exe
+    return exe
+
+
+def native_unavailable_reason(build_dir: Path = BUILD_DIR) -> str | None:
+    """None when the sender builds (or is built) here, else why not."""
+    try:
+        build_loadgen(build_dir)
+    except Unavailable as exc:
+        return exc.message
+    return None
+
+
+class NativeTarget(Target):
+    """A sidecar gRPC target whose schedule the compiled sender drives.
+
+    Single calls (`call`: probes, the bench's settle step) still go through the Python target it
+    wraps, on the same sidecar; `loadtest.runner.run_load` hands whole runs to `run_native`.
+    """
+
+    def __init__(self, python: SidecarEmbedTarget, *, build_dir: Path = BUILD_DIR) -> None:
+        self.python = python
+        self.name = python.name
+        self.build_dir = build_dir
+        self.exe: Path | None = None
+        methods: dict[type[SidecarEmbedTarget], tuple[str, str]] = {
+            SidecarStreamTarget: ("/embedcar.v1.Embedder/Stream", "stream"),
+            SidecarSearchTarget: ("/embedcar.v1.Embedder/Search", "unary"),
+            SidecarEmbedTarget: ("/embedcar.v1.Embedder/Embed", "unary"),
+        }
+        self.method, self.mode = methods[type(python)]
+
+    @classmethod
+    def wrap(cls, target: Target) -> NativeTarget:
+        if type(target) not in (SidecarEmbedTarget, SidecarStreamTarget, SidecarSearchTarget):
+            raise InvalidInput(f"the native client sends the sidecar's gRPC calls to one sidecar: not {target.name} "
+                               "(sidecar-embed, sidecar-stream or sidecar-search, one address)")
+        assert isinstance(target, SidecarEmbedTarget)
+        return cls(target)
+
+    async def start(self) -> None:
+        self.exe = await asyncio.to_thread(build_loadgen, self.build_dir)
+        await self.python.start()
+
+    async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
+        return await self.python.call(texts, timeout_s=timeout_s)
+
+    async def close(self) -> None:
+        await self.python.close()
+
+    async def server_stats(self) -> dict[str, dict[str, int]] | None:
+        return await self.python.server_stats()
+
+    def describe(self) -> dict[str, Any]:
+        return self.python.describe() | {"client": "native"}
+
+    # --- the messages, and what comes back ---------------------------------------------------
+
+    def payload(self, index: int, texts: Sequence[str], deadline_ms: float) -> bytes:
+        py = self.python
+        if isinstance(py, SidecarSearchTarget):
+            return search_request(texts, py.k, None, None).SerializeToString()
+        req = embed_request(texts, py.float16)
+        if self.mode == "stream":  # the id the reply echoes; the sidecar's own deadline for it
+            return pb.StreamRequest(id=index + 1, embed=req, timeout_ms=max(1, round(deadline_ms))).SerializeToString()
+        return req.SerializeToString()
+
+    def outcome(self, code: int, body: bytes) -> tuple[str, Timings | None, str]:
+        """A record's (outcome code, server timings, error message) as the Python target reports them."""
+        if code != 0:
+            status = _STATUS_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
+            err = from_grpc(status, body.decode("utf-8", "replace"))
+            return err.code, None, err.message
+        reply: Any
+        if self.mode == "stream":
+            stream = pb.StreamReply.FromString(body)
+            if stream.WhichOneof("result") == "error":
+                err = stream_error(stream.error)
+                return err.code, None, err.message
+            reply = stream.embed
+        else:
+            reply = (pb.SearchReply if isinstance(self.python, SidecarSearchTarget) else pb.EmbedReply).FromString(body)
+        self.python.model = reply.model
+        return "ok", {s: int(getattr(reply.timings, s)) for s in STAGES}, ""
+
+
+async def run_native(target: NativeTarget, texts: Sequence[str], config: RunConfig) -> RunResult:
+    """`loadtest.runner.run_load` for a NativeTarget: the same schedule, samples and result."""
+    from loadtest.runner import RunResult, Sample
+
+    if target.exe is None:
+        raise InvalidInput("start the target before running load on it")
+    offsets = arrival_offsets(config.rate, config.warmup_s + config.duration_s, arrivals=config.arrivals,
+                              seed=config.seed)
+    n = len(offsets)
+    stats_before = await target.server_stats() if config.warmup_s == 0 else None
+    with tempfile.TemporaryDirectory(prefix="embedcar-loadgen-") as tmp:
+        req_path, out_path = Path(tmp) / "requests.bin", Path(tmp) / "records.bin"
+        with req_path.open("wb") as f:
+            for i, off in enumerate(offsets):
+                batch = [texts[(i * config.batch + j) % len(texts)] for j in range(config.batch)]
+                body = target.payload(i, batch, config.deadline_ms)
+                f.write(struct.pack("<QI", round(float(off) * 1e9), len(body)))
+                f.write(body)
+        env = dict(os.environ)
+        if target.python.api_key:
+            env[API_KEY_ENV] = target.python.api_key
+        # The sender's own spin before each send: a timer wakes ~50 us late, not the event loop's ~1 ms.
+        spin_us = min(config.spin_ms * 1e3, 50.0)
+        cmd = [str(target.exe), "--target", target.python.grpc_target, "--method", target.method, "--mode",
+               target.mode, "--requests", str(req_path), "--out", str(out_path), "--deadline-ms",
+               f"{config.deadline_ms:g}", "--concurrency", str(config.concurrency), "--spin-us", f"{spin_us:g}"]
+        proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL, env=env,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        assert proc.stdout is not None
+        cpu0 = time.process_time()  # this process's CPU while the sender runs (it mostly waits)
+        try:
+            first = await asyncio.wait_for(proc.stdout.readline(), 15.0)
+            if not first.startswith(b"start "):
+                await proc.wait()
+                raise Unavailable(f"native load generator did not start: {await _stderr(proc)}")
+            start_ns = int(first.split()[1])
+            snap = None
+            if config.warmup_s > 0:
+                snap = asyncio.create_task(_stats_at(target, start_ns + round(config.warmup_s * 1e9)))
+            limit = config.warmup_s + config.duration_s + config.deadline_ms / 1e3 + 30.0
+            rest, err = await asyncio.wait_for(proc.communicate(), limit)
+            end_ns, cpu = time.monotonic_ns(), time.process_time() - cpu0
+        except TimeoutError:
+            raise Internal("native load generator did not finish in time") from None
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        if proc.returncode != 0:
+            raise Unavailable(f"native load generator failed (exit {proc.returncode}): "
+                              f"{err.decode(errors='replace').strip()[-400:]}")
+        tail = json.loads(rest.decode().strip().splitlines()[-1])
+        records = _read_records(out_path.read_bytes(), n)
+    if snap is not None:
+        stats_before = await snap
+    stats_after = await target.server_stats()
+    samples: list[Sample] = []
+    errors_seen: dict[str, str] = {}
+    lags = np.zeros(n)
+    for i, (lag_ns, latency_ns, code, body) in enumerate(records):
+        outcome, timings, message = target.outcome(code, body)
+        if message:
+            errors_seen.setdefault(outcome, message[:300])
+        off = float(offsets[i]) - config.warmup_s
+        lags[i] = max(lag_ns, 0) / 1e9
+        samples.append(Sample(i, off, lag_ns / 1e9, latency_ns / 1e9, outcome, off < 0, timings))
+    pacer = pacer_report(lags[offsets >= config.warmup_s], late_ms=config.late_ms)
+    cpu += float(tail["cpu_s"])  # the sender's own
+    window = (start_ns + round(config.warmup_s * 1e9), end_ns)
+    return RunResult(target.describe(), config, samples, pacer, float(tail["wall_s"]), cpu, stats_before,
+                     stats_after, errors_seen, window)
+
+
+def _read_records(data: bytes, n: int) -> list[tuple[int, int, int, bytes]]:
+    out: list[tuple[int, int, int, bytes]] = []
+    pos = 0
+    for _ in range(n):
+        if pos + _RECORD.size > len(data):
+            raise Internal(f"native load generator wrote {len(out)} of {n} records")
+        lag, latency, code, length = _RECORD.unpack_from(data, pos)
+        pos += _RECORD.size
+        out.append((lag, latency, code, data[pos:pos + length]))
+        pos += length
+    return out
+
+
+async def _stats_at(target: Target, at_ns: int) -> dict[str, dict[str, int]] | None:
+    await asyncio.sleep(max(at_ns - time.monotonic_ns(), 0) / 1e9)
+    return await target.server_stats()
+
+
+async def _stderr(proc: asyncio.subprocess.Process) -> str:
+    if proc.stderr is None:
+        return ""
+    return (await proc.stderr.read()).decode(errors="replace").strip()[-400:]
