@@ -62,7 +62,8 @@ def _check_complete(result: RunResult, config: RunConfig = CONFIG) -> None:
 
 @pytest.mark.parametrize("cls", [SidecarEmbedTarget, SidecarStreamTarget])
 async def test_embed_calls_sent_natively_are_answered_and_timed(loadgen: Path, sidecar_embedded: Any,
-                                                               tokenizer: QueryTokenizer, cls: type) -> None:
+                                                               tokenizer: QueryTokenizer,
+                                                               cls: type[SidecarEmbedTarget]) -> None:
     texts = query_stream(tokenizer, CONFIG.requests, seed=21, unique=True)
     target = NativeTarget(cls(sidecar_embedded.grpc_target))
     result = await _run(target, texts)
@@ -94,7 +95,7 @@ def keyed_sidecar(settings: Settings, onnx_backend: OnnxBackend) -> Iterator[Any
 
 @pytest.mark.parametrize("cls", [SidecarEmbedTarget, SidecarStreamTarget])
 async def test_the_api_key_reaches_the_sidecar_and_failures_keep_their_codes(
-        loadgen: Path, keyed_sidecar: Any, tokenizer: QueryTokenizer, cls: type) -> None:
+        loadgen: Path, keyed_sidecar: Any, tokenizer: QueryTokenizer, cls: type[SidecarEmbedTarget]) -> None:
     texts = query_stream(tokenizer, 8, seed=23, unique=True)
     long_text = "x" * 100_000  # over the sidecar's text limit: INVALID_ARGUMENT
     config = RunConfig(rate=20, duration_s=1.0, warmup_s=0.0, deadline_ms=30_000)
@@ -109,7 +110,7 @@ async def test_the_api_key_reaches_the_sidecar_and_failures_keep_their_codes(
 
 @pytest.mark.parametrize("cls", [SidecarEmbedTarget, SidecarStreamTarget])
 async def test_a_deadline_shorter_than_the_model_fails_requests_without_losing_any(
-        loadgen: Path, sidecar_embedded: Any, tokenizer: QueryTokenizer, cls: type) -> None:
+        loadgen: Path, sidecar_embedded: Any, tokenizer: QueryTokenizer, cls: type[SidecarEmbedTarget]) -> None:
     config = RunConfig(rate=50, duration_s=0.6, warmup_s=0.0, deadline_ms=0.2)
     texts = query_stream(tokenizer, config.requests, seed=24, unique=True)
     result = await _run(NativeTarget(cls(sidecar_embedded.grpc_target)), texts, config)
