@@ -21,7 +21,9 @@ from inference.cli_main import main as cli_main
 from inference.errors import Unavailable
 from inference.manifest import load_manifest
 from loadtest.bench import cli as bench_cli
+from loadtest.native import native_unavailable_reason
 from loadtest.bench.serving import (
+    DEFAULT_KINDS,
     KINDS,
     Contender,
     ServingConfig,
@@ -196,29 +198,33 @@ def test_a_missing_infinity_is_a_skipped_row_not_a_failure(tmp_path: Path, model
 
 def test_cli_defaults_match_the_modules() -> None:
     # bench/cli.py spells these out so that `embedcar` does not import the bench at start-up.
-    assert ",".join(KINDS) == bench_cli.SERVING_TARGETS
+    assert ",".join(KINDS) == bench_cli.SERVING_ALL_TARGETS
+    assert ",".join(DEFAULT_KINDS) == bench_cli.SERVING_TARGETS
     assert bench_cli.INFINITY_EXE == DEFAULT_EXE
 
 
 @pytest.mark.slow
 def test_bench_serving_end_to_end_over_floor_grpc_and_http(tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "report"
+    # The compiled sender's row too, where it builds here (else it is a skipped row: tests/test_loadtest_native.py).
+    native = native_unavailable_reason() is None
+    kinds = ["floor", "grpc", *(["stream-native"] if native else []), "http"]
     rc = cli_main(["bench", "serving", "--models-dir", str(model_dir.parent), "--variants", "fp32",
-                   "--targets", "floor,grpc,http", "--rate", "20", "--duration", "2", "--warmup", "1", "--rounds", "1",
+                   "--targets", ",".join(kinds), "--rate", "20", "--duration", "2", "--warmup", "1", "--rounds", "1",
                    "--sweep", "20:40:20", "--sweep-duration", "2", "--sweep-warmup", "0.5", "--ceiling-seconds", "1",
                    "--settle", "0.2", "--out", str(out), "--log-dir", str(tmp_path / "logs")])
     assert rc == 0
     assert {p.name for p in out.iterdir()} >= {"serving.json", "serving.md", "serving.png"}
     result = json.loads((out / "serving.json").read_text())
     assert result["complete"] and result["ceilings"]["fp32"]["qps"] > 0
-    assert set(result["runs"]) == {"floor:fp32", "grpc:fp32", "http:fp32"}
+    assert set(result["runs"]) == {f"{k}:fp32" for k in kinds}
     # The sidecar serves the model the floor runs.
-    assert {k: v["cosine"] > 0.999 for k, v in result["sanity"].items()} == {"grpc:fp32": True, "http:fp32": True}
+    assert {k: v["cosine"] > 0.999 for k, v in result["sanity"].items()} == {f"{k}:fp32": True for k in kinds[1:]}
     for run in result["runs"].values():
         assert len(run["fixed"]) == 1 and run["fixed"][0]["requests"] == 40
         assert run["sweep"]["steps"][0]["rate"] == 20
     rows = [line for line in (out / "serving.md").read_text().splitlines() if line.startswith("| ")][1:]
-    assert [r.split("|")[1].strip() for r in rows] == ["floor", "grpc", "http"]
+    assert [r.split("|")[1].strip() for r in rows] == kinds
     for r in rows:
         p50, p95, p99 = (float(c) for c in r.split("|")[3:6])
         assert 0 < p50 <= p95 <= p99

@@ -130,7 +130,9 @@ def _sidecar(args: argparse.Namespace) -> int:
 
 
 # --- serving --------------------------------------------------------------------------------
-SERVING_TARGETS = "floor,grpc,stream,http,triton,infinity"  # loadtest.bench.serving.KINDS (not imported here: slow)
+# loadtest.bench.serving.DEFAULT_KINDS and KINDS (not imported here: slow)
+SERVING_TARGETS = "floor,grpc,stream,http,triton,infinity"
+SERVING_ALL_TARGETS = "floor,grpc,stream,grpc-native,stream-native,http,triton,infinity"
 INFINITY_EXE = Path("var/infinity-venv/bin/infinity_emb")  # loadtest.infinity.DEFAULT_EXE
 
 
@@ -145,7 +147,8 @@ def _register_serving(areas: Any) -> None:
     what.add_argument("--variants", type=_items, default="fp32,int8",
                       help="comma-separated variants (default fp32,int8)")
     what.add_argument("--targets", type=_items, default=SERVING_TARGETS,
-                      help=f"comma-separated, some of {SERVING_TARGETS} (default all)")
+                      help=f"comma-separated, some of {SERVING_ALL_TARGETS} (default {SERVING_TARGETS}; "
+                           "the -native ones: the same calls from the compiled C++ sender)")
     what.add_argument("--triton-variants", type=_items, default="fp32",
                       help="variants with a triton row (default fp32)")
     what.add_argument("--infinity-variants", type=_items, default="fp32",

@@ -6,6 +6,10 @@ shopper queries that never repeat (QueryMix unique=True: no cache hit anywhere):
   floor     the model in this process (tokenize + ORT forward + pool, no server): InProcessTarget
   grpc      the sidecar's gRPC Embed, embedded backend (SidecarProcess backend=embedded)
   stream    the same sidecar process's Embed as messages on one open gRPC Stream call
+  grpc-native, stream-native
+            the same two, sent by the load generator's compiled C++ sender (loadtest/native.py)
+            instead of Python grpc.aio: what a search node's compiled client sees; not in the
+            default --targets (skipped, saying why, where gRPC's C++ library is missing)
   http      the same sidecar process's HTTP POST /v1/embeddings
   triton    the sidecar's gRPC Embed over the Triton backend (TritonServer + SidecarProcess
             backend=triton); fp32 only unless --triton-variants says more
@@ -69,6 +73,7 @@ from inference.manifest import Manifest, load_manifest
 from inference.settings import env_name
 from inference.tokenizer import QueryTokenizer
 from loadtest.infinity import DEFAULT_EXE, InfinityServer, infinity_unavailable_reason
+from loadtest.native import NativeTarget, native_unavailable_reason
 from loadtest.queries import QueryMix
 from loadtest.report import Summary, fmt_ms, save_png, summarize
 from loadtest.runner import RunConfig, run_load
@@ -78,7 +83,9 @@ from sidecar.settings import Settings
 
 log = logging.getLogger(__name__)
 
-KINDS = ("floor", "grpc", "stream", "http", "triton", "infinity")
+KINDS = ("floor", "grpc", "stream", "grpc-native", "stream-native", "http", "triton", "infinity")
+DEFAULT_KINDS = ("floor", "grpc", "stream", "http", "triton", "infinity")
+SIDECAR_KINDS = ("grpc", "stream", "grpc-native", "stream-native", "http")  # one embedded sidecar serves them
 SANITY_MIN_COSINE = 0.99
 NextTexts = Callable[[int], Sequence[str]]
 Record = dict[str, Any]
@@ -87,7 +94,7 @@ Record = dict[str, Any]
 @dataclass(frozen=True, slots=True)
 class ServingConfig:
     variants: tuple[str, ...] = ("fp32", "int8")
-    targets: tuple[str, ...] = KINDS
+    targets: tuple[str, ...] = DEFAULT_KINDS
     triton_variants: tuple[str, ...] = ("fp32",)
     infinity_variants: tuple[str, ...] = ("fp32",)
     rate: float = 100.0
@@ -351,7 +358,7 @@ def start_contenders(settings: Settings, cfg: ServingConfig, variant: str,
         try:
             if kind == "floor":
                 c.target = InProcessTarget.for_model(settings.model, variant)
-            elif kind in ("grpc", "stream", "http"):
+            elif kind in SIDECAR_KINDS:
                 if sidecar is None:
                     from loadtest.stack import SidecarProcess
 
@@ -359,10 +366,17 @@ def start_contenders(settings: Settings, cfg: ServingConfig, variant: str,
                     sidecar = stack.enter_context(SidecarProcess(
                         settings, backend="embedded", variant=variant, extra_env=env,
                         log_file=logs / f"sidecar-embedded-{variant}.log"))
-                if kind in ("grpc", "stream"):
-                    cls = SidecarEmbedTarget if kind == "grpc" else SidecarStreamTarget
-                    c.target = cls(sidecar.grpc_target)
-                    c.vector = _grpc_vector(sidecar.grpc_target, stream=kind == "stream")
+                if kind != "http":
+                    stream = kind.startswith("stream")
+                    python = (SidecarStreamTarget if stream else SidecarEmbedTarget)(sidecar.grpc_target)
+                    if kind.endswith("-native"):
+                        reason = native_unavailable_reason()
+                        if reason:
+                            c.skipped = reason
+                            log.warning("%s skipped: %s", c.key, reason)
+                            continue
+                    c.target = NativeTarget(python) if kind.endswith("-native") else python
+                    c.vector = _grpc_vector(sidecar.grpc_target, stream=stream)
                 else:
                     c.target = HttpEmbedTarget(sidecar.http_url)
                     c.vector = _http_vector(f"{sidecar.http_url}/v1/embeddings")
@@ -629,7 +643,8 @@ def serving_markdown(result: Record) -> str:
     return "\n".join(lines) + "\n"
 
 
-COLORS = {"floor": "black", "grpc": "tab:blue", "stream": "tab:cyan",
+COLORS = {"floor": "black", "grpc": "tab:blue", "stream": "tab:cyan", "grpc-native": "tab:olive",
+          "stream-native": "tab:brown",
           "http": "tab:green", "triton": "tab:purple", "infinity": "tab:red"}
 STYLES = {"fp32": "-", "int8": "--", "fp16": ":"}
 
