@@ -21,7 +21,6 @@ from inference.cli_main import main as cli_main
 from inference.errors import Unavailable
 from inference.manifest import load_manifest
 from loadtest.bench import cli as bench_cli
-from loadtest.native import native_unavailable_reason
 from loadtest.bench.serving import (
     DEFAULT_KINDS,
     KINDS,
@@ -35,6 +34,7 @@ from loadtest.bench.serving import (
     write_reports,
 )
 from loadtest.infinity import DEFAULT_EXE, InfinityServer, infinity_unavailable_reason, prepare_folder
+from loadtest.native import native_unavailable_reason
 from loadtest.runner import RunConfig
 from loadtest.targets import StubTarget, Target, Timings
 from sidecar.settings import Settings as SidecarSettings

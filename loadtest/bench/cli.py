@@ -131,7 +131,7 @@ def _sidecar(args: argparse.Namespace) -> int:
 
 # --- serving --------------------------------------------------------------------------------
 # loadtest.bench.serving.DEFAULT_KINDS and KINDS (not imported here: slow)
-SERVING_TARGETS = "floor,grpc,stream,http,triton,infinity"
+SERVING_TARGETS = "floor,grpc,stream,stream-native,http,triton,infinity"
 SERVING_ALL_TARGETS = "floor,grpc,stream,grpc-native,stream-native,http,triton,infinity"
 INFINITY_EXE = Path("var/infinity-venv/bin/infinity_emb")  # loadtest.infinity.DEFAULT_EXE
 

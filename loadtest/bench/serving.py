@@ -8,8 +8,9 @@ shopper queries that never repeat (QueryMix unique=True: no cache hit anywhere):
   stream    the same sidecar process's Embed as messages on one open gRPC Stream call
   grpc-native, stream-native
             the same two, sent by the load generator's compiled C++ sender (loadtest/native.py)
-            instead of Python grpc.aio: what a search node's compiled client sees; not in the
-            default --targets (skipped, saying why, where gRPC's C++ library is missing)
+            instead of Python grpc.aio: what a search node's compiled client sees (stream-native
+            is in the default --targets; a skipped row, saying why, where gRPC's C++ library
+            is missing)
   http      the same sidecar process's HTTP POST /v1/embeddings
   triton    the sidecar's gRPC Embed over the Triton backend (TritonServer + SidecarProcess
             backend=triton); fp32 only unless --triton-variants says more
@@ -84,7 +85,7 @@ from sidecar.settings import Settings
 log = logging.getLogger(__name__)
 
 KINDS = ("floor", "grpc", "stream", "grpc-native", "stream-native", "http", "triton", "infinity")
-DEFAULT_KINDS = ("floor", "grpc", "stream", "http", "triton", "infinity")
+DEFAULT_KINDS = ("floor", "grpc", "stream", "stream-native", "http", "triton", "infinity")
 SIDECAR_KINDS = ("grpc", "stream", "grpc-native", "stream-native", "http")  # one embedded sidecar serves them
 SANITY_MIN_COSINE = 0.99
 NextTexts = Callable[[int], Sequence[str]]
