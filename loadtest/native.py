@@ -25,7 +25,8 @@ import struct
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -173,32 +174,47 @@ class NativeTarget(Target):
         return "ok", {s: int(getattr(reply.timings, s)) for s in STAGES}, ""
 
 
-async def run_native(target: NativeTarget, texts: Sequence[str], config: RunConfig) -> RunResult:
-    """`loadtest.runner.run_load` for a NativeTarget: the same schedule, samples and result."""
-    from loadtest.runner import RunResult, Sample
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One request's outcome as the sender saw it (times in ns; latency from its scheduled send)."""
 
-    if target.exe is None:
-        raise InvalidInput("start the target before running load on it")
-    offsets = arrival_offsets(config.rate, config.warmup_s + config.duration_s, arrivals=config.arrivals,
-                              seed=config.seed)
-    n = len(offsets)
-    stats_before = await target.server_stats() if config.warmup_s == 0 else None
+    send_lag_ns: int
+    latency_ns: int
+    code: int  # gRPC status number, 0 = OK
+    body: bytes  # the reply message (OK; on a stream every reply), else the status message
+
+
+@dataclass(frozen=True, slots=True)
+class SenderRun:
+    start_ns: int  # when the schedule started, on the time.monotonic_ns() clock
+    end_ns: int
+    cpu_s: float  # the sender's CPU, and this process's while it waited
+    wall_s: float
+    records: list[Record]
+
+
+async def send(exe: Path, address: str, method: str, mode: str, payloads: Sequence[bytes],
+               offsets_s: Sequence[float], *, deadline_ms: float = 1000.0, concurrency: int = 256,
+               spin_us: float = 50.0, api_key: str | None = None,
+               on_start: Callable[[int], None] | None = None) -> SenderRun:
+    """Send `payloads[i]` at `offsets_s[i]` after the start on one channel to `address`, `mode`
+    "unary" (a call each) or "stream" (messages on one call, each a StreamRequest with id i + 1).
+    `on_start(start_ns)` is called once the sender is connected and its schedule set."""
+    n = len(payloads)
+    if n != len(offsets_s) or mode not in ("unary", "stream"):
+        raise InvalidInput("one send time per payload, and mode unary or stream")
     with tempfile.TemporaryDirectory(prefix="embedcar-loadgen-") as tmp:
         req_path, out_path = Path(tmp) / "requests.bin", Path(tmp) / "records.bin"
         with req_path.open("wb") as f:
-            for i, off in enumerate(offsets):
-                batch = [texts[(i * config.batch + j) % len(texts)] for j in range(config.batch)]
-                body = target.payload(i, batch, config.deadline_ms)
+            for off, body in zip(offsets_s, payloads, strict=True):
                 f.write(struct.pack("<QI", round(float(off) * 1e9), len(body)))
                 f.write(body)
         env = dict(os.environ)
-        if target.python.api_key:
-            env[API_KEY_ENV] = target.python.api_key
-        # The sender's own spin before each send: a timer wakes ~50 us late, not the event loop's ~1 ms.
-        spin_us = min(config.spin_ms * 1e3, 50.0)
-        cmd = [str(target.exe), "--target", target.python.grpc_target, "--method", target.method, "--mode",
-               target.mode, "--requests", str(req_path), "--out", str(out_path), "--deadline-ms",
-               f"{config.deadline_ms:g}", "--concurrency", str(config.concurrency), "--spin-us", f"{spin_us:g}"]
+        if api_key:
+            env[API_KEY_ENV] = api_key
+        cmd = [str(exe), "--target", address, "--method", method, "--mode", mode, "--requests", str(req_path),
+               "--out", str(out_path), "--deadline-ms", f"{deadline_ms:g}", "--concurrency", str(concurrency),
+               "--spin-us", f"{spin_us:g}"]
         proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL, env=env,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         assert proc.stdout is not None
@@ -209,10 +225,9 @@ async def run_native(target: NativeTarget, texts: Sequence[str], config: RunConf
                 await proc.wait()
                 raise Unavailable(f"native load generator did not start: {await _stderr(proc)}")
             start_ns = int(first.split()[1])
-            snap = None
-            if config.warmup_s > 0:
-                snap = asyncio.create_task(_stats_at(target, start_ns + round(config.warmup_s * 1e9)))
-            limit = config.warmup_s + config.duration_s + config.deadline_ms / 1e3 + 30.0
+            if on_start is not None:
+                on_start(start_ns)
+            limit = (max(offsets_s) if n else 0.0) + deadline_ms / 1e3 + 30.0
             rest, err = await asyncio.wait_for(proc.communicate(), limit)
             end_ns, cpu = time.monotonic_ns(), time.process_time() - cpu0
         except TimeoutError:
@@ -226,35 +241,59 @@ async def run_native(target: NativeTarget, texts: Sequence[str], config: RunConf
                               f"{err.decode(errors='replace').strip()[-400:]}")
         tail = json.loads(rest.decode().strip().splitlines()[-1])
         records = _read_records(out_path.read_bytes(), n)
-    if snap is not None:
-        stats_before = await snap
+    return SenderRun(start_ns, end_ns, cpu + float(tail["cpu_s"]), float(tail["wall_s"]), records)
+
+
+async def run_native(target: NativeTarget, texts: Sequence[str], config: RunConfig) -> RunResult:
+    """`loadtest.runner.run_load` for a NativeTarget: the same schedule, samples and result."""
+    from loadtest.runner import RunResult, Sample
+
+    if target.exe is None:
+        raise InvalidInput("start the target before running load on it")
+    offsets = arrival_offsets(config.rate, config.warmup_s + config.duration_s, arrivals=config.arrivals,
+                              seed=config.seed)
+    payloads = [target.payload(i, [texts[(i * config.batch + j) % len(texts)] for j in range(config.batch)],
+                               config.deadline_ms) for i in range(len(offsets))]
+    stats_before = await target.server_stats() if config.warmup_s == 0 else None
+    snaps: list[asyncio.Task[dict[str, dict[str, int]] | None]] = []
+
+    def window_starts(start_ns: int) -> None:  # the window's "before" statistics, read as it begins
+        if config.warmup_s > 0:
+            snaps.append(asyncio.create_task(_stats_at(target, start_ns + round(config.warmup_s * 1e9))))
+
+    # The sender's own spin before each send: a timer wakes ~50 us late, not the event loop's ~1 ms.
+    run = await send(target.exe, target.python.grpc_target, target.method, target.mode, payloads, offsets.tolist(),
+                     deadline_ms=config.deadline_ms, concurrency=config.concurrency,
+                     spin_us=min(config.spin_ms * 1e3, 50.0), api_key=target.python.api_key,
+                     on_start=window_starts)
+    if snaps:
+        stats_before = await snaps[0]
     stats_after = await target.server_stats()
     samples: list[Sample] = []
     errors_seen: dict[str, str] = {}
-    lags = np.zeros(n)
-    for i, (lag_ns, latency_ns, code, body) in enumerate(records):
-        outcome, timings, message = target.outcome(code, body)
+    lags = np.zeros(len(offsets))
+    for i, r in enumerate(run.records):
+        outcome, timings, message = target.outcome(r.code, r.body)
         if message:
             errors_seen.setdefault(outcome, message[:300])
         off = float(offsets[i]) - config.warmup_s
-        lags[i] = max(lag_ns, 0) / 1e9
-        samples.append(Sample(i, off, lag_ns / 1e9, latency_ns / 1e9, outcome, off < 0, timings))
+        lags[i] = max(r.send_lag_ns, 0) / 1e9
+        samples.append(Sample(i, off, r.send_lag_ns / 1e9, r.latency_ns / 1e9, outcome, off < 0, timings))
     pacer = pacer_report(lags[offsets >= config.warmup_s], late_ms=config.late_ms)
-    cpu += float(tail["cpu_s"])  # the sender's own
-    window = (start_ns + round(config.warmup_s * 1e9), end_ns)
-    return RunResult(target.describe(), config, samples, pacer, float(tail["wall_s"]), cpu, stats_before,
+    window = (run.start_ns + round(config.warmup_s * 1e9), run.end_ns)
+    return RunResult(target.describe(), config, samples, pacer, run.wall_s, run.cpu_s, stats_before,
                      stats_after, errors_seen, window)
 
 
-def _read_records(data: bytes, n: int) -> list[tuple[int, int, int, bytes]]:
-    out: list[tuple[int, int, int, bytes]] = []
+def _read_records(data: bytes, n: int) -> list[Record]:
+    out: list[Record] = []
     pos = 0
     for _ in range(n):
         if pos + _RECORD.size > len(data):
             raise Internal(f"native load generator wrote {len(out)} of {n} records")
         lag, latency, code, length = _RECORD.unpack_from(data, pos)
         pos += _RECORD.size
-        out.append((lag, latency, code, data[pos:pos + length]))
+        out.append(Record(lag, latency, code, data[pos:pos + length]))
         pos += length
     return out
 

@@ -6,21 +6,31 @@ import json
 from pathlib import Path
 
 from inference.cli_main import main as cli_main
-from loadtest.bench.transport import TRANSPORTS, markdown, run
+from loadtest.bench.transport import NATIVE_TRANSPORTS, TRANSPORTS, markdown, run
+from loadtest.native import native_unavailable_reason
+
+# The compiled sender's rows where it builds here (tests/test_loadtest_native.py says why not).
+EXPECTED = TRANSPORTS + (NATIVE_TRANSPORTS if native_unavailable_reason() is None else ())
 
 
 def test_every_transport_echoes_and_is_timed() -> None:
     result = run(rounds=1, block=5, gap_ms=1.0)
-    assert tuple(result) == TRANSPORTS
+    assert tuple(result) == EXPECTED
     for figures in result.values():
         assert 0 < figures["p50_ms"] <= figures["p95_ms"] < 1000
-        assert figures["client_cpu_ms"] > 0
+        assert figures["client_cpu_ms"] > 0 and figures["server_cpu_ms"] >= 0
     table = markdown(result, rounds=1, block=5, gap_ms=1.0)
     assert [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "ms" not in line
-            and not line.startswith("|---")] == list(TRANSPORTS)
+            and not line.startswith("|---")] == list(EXPECTED)
+
+
+def test_without_the_native_rows_the_table_says_so() -> None:
+    result = run(rounds=1, block=3, gap_ms=1.0, native=False)
+    assert tuple(result) == TRANSPORTS
+    assert "No native rows" in markdown(result, rounds=1, block=3, gap_ms=1.0)
 
 
 def test_cli_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "t.json"
     assert cli_main(["bench", "transport", "--rounds", "1", "--block", "3", "--gap-ms", "1", "--json", str(out)]) == 0
-    assert set(json.loads(out.read_text())) == set(TRANSPORTS)
+    assert set(json.loads(out.read_text())) == set(EXPECTED)
