@@ -6,6 +6,7 @@ without them the tests that send skip and say why.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +42,11 @@ def loadgen() -> Path:
     return build_loadgen()
 
 
+def _seed(base: int, cls: type) -> int:
+    """Queries of their own per test and target: the session sidecar caches what it embedded."""
+    return base * 10 + (cls is SidecarStreamTarget)
+
+
 async def _run(target: NativeTarget, texts: list[str], config: RunConfig = CONFIG) -> RunResult:
     await target.start()
     try:
@@ -64,7 +70,7 @@ def _check_complete(result: RunResult, config: RunConfig = CONFIG) -> None:
 async def test_embed_calls_sent_natively_are_answered_and_timed(loadgen: Path, sidecar_embedded: Any,
                                                                tokenizer: QueryTokenizer,
                                                                cls: type[SidecarEmbedTarget]) -> None:
-    texts = query_stream(tokenizer, CONFIG.requests, seed=21, unique=True)
+    texts = query_stream(tokenizer, CONFIG.requests, seed=_seed(21, cls), unique=True)
     target = NativeTarget(cls(sidecar_embedded.grpc_target))
     result = await _run(target, texts)
     _check_complete(result)
@@ -75,6 +81,7 @@ async def test_embed_calls_sent_natively_are_answered_and_timed(loadgen: Path, s
     assert {"tokenize", "inference", "total"} <= set(summary["stages_ms"])
     for s in result.samples:  # each reply went to its own request: never faster than the server's own time
         assert s.timings_ns is not None and s.latency_s * 1e9 >= s.timings_ns["total"] > 0
+        assert s.timings_ns["inference"] > 0  # computed, not from the session sidecar's cache
 
 
 async def test_search_calls_sent_natively(loadgen: Path, tokenizer: QueryTokenizer, settings: Settings,
@@ -112,11 +119,25 @@ async def test_the_api_key_reaches_the_sidecar_and_failures_keep_their_codes(
 async def test_a_deadline_shorter_than_the_model_fails_requests_without_losing_any(
         loadgen: Path, sidecar_embedded: Any, tokenizer: QueryTokenizer, cls: type[SidecarEmbedTarget]) -> None:
     config = RunConfig(rate=50, duration_s=0.6, warmup_s=0.0, deadline_ms=0.2)
-    texts = query_stream(tokenizer, config.requests, seed=24, unique=True)
+    texts = query_stream(tokenizer, config.requests, seed=_seed(24, cls), unique=True)
     result = await _run(NativeTarget(cls(sidecar_embedded.grpc_target)), texts, config)
     assert len(result.samples) == config.requests
     codes = {s.code for s in result.samples}
     assert DeadlineExceeded.code in codes and codes <= {OK, DeadlineExceeded.code}, result.errors_seen
+
+
+@pytest.mark.parametrize("cls", [SidecarEmbedTarget, SidecarStreamTarget])
+async def test_the_concurrency_cap_holds_requests_back_and_counts_the_wait(
+        loadgen: Path, sidecar_embedded: Any, tokenizer: QueryTokenizer, cls: type[SidecarEmbedTarget]) -> None:
+    # One in flight at a time, sent faster than one forward pass: each waits for the one before.
+    config = RunConfig(rate=1000, duration_s=0.03, warmup_s=0.0, deadline_ms=30_000, concurrency=1)
+    texts = query_stream(tokenizer, config.requests, seed=_seed(25, cls), unique=True)
+    result = await _run(NativeTarget(cls(sidecar_embedded.grpc_target)), texts, config)
+    assert all(s.code == OK for s in result.samples), result.errors_seen
+    by_send = sorted(result.samples, key=lambda s: s.scheduled_s + s.send_lag_s)
+    for before, after in itertools.pairwise(by_send):  # never two in flight
+        assert after.scheduled_s + after.send_lag_s >= before.scheduled_s + before.latency_s - 1e-4
+    assert result.samples[-1].send_lag_s > 0.005
 
 
 async def test_an_unreachable_sidecar_is_unavailable(loadgen: Path) -> None:
