@@ -5,6 +5,7 @@ Examples:
   embedcar loadtest --start-stack --compare baseline,sidecar-embed:embedded,sidecar-embed:triton --no-cache
   embedcar loadtest --start-stack --target sidecar-embed:triton --sweep 50:300:25 --duration 30
   embedcar loadtest --start-stack --compare inprocess,http:embedded,infinity --no-cache --duration 60
+  embedcar loadtest --start-stack --compare sidecar-stream:embedded,sidecar-stream:embedded+native --no-cache
 """
 
 from __future__ import annotations
