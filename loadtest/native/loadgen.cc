@@ -24,7 +24,9 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -33,7 +35,9 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -47,6 +51,7 @@ int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
 }
 
+Clock::time_point at_ns(int64_t ns) { return Clock::time_point(std::chrono::nanoseconds(ns)); }
 
 // gRPC takes deadlines on the system clock: the same instant, moved over.
 std::chrono::system_clock::time_point wall_at(int64_t mono_ns) {
@@ -141,12 +146,44 @@ uint64_t reply_id(const std::string& m) {
   return 0;
 }
 
-// One thread sends and polls the completion queue (AsyncNext until the next send is due), so a
-// call costs no wake-up between threads: on a small VM those cost as much as the call itself.
+// The concurrency cap: a request waits for a free slot; that wait counts in its send lag.
+class Slots {
+ public:
+  explicit Slots(int n) : free_(n) {}
+  void acquire() {
+    std::unique_lock<std::mutex> l(m_);
+    cv_.wait(l, [&] { return free_ > 0 || open_; });
+    --free_;
+  }
+  void open() {  // no more waiting: the run is over
+    { std::lock_guard<std::mutex> l(m_); open_ = true; }
+    cv_.notify_all();
+  }
+  void release() {
+    { std::lock_guard<std::mutex> l(m_); ++free_; }
+    cv_.notify_one();
+  }
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  int free_;
+  bool open_ = false;
+};
+
+// Sleep to just before `due`, then spin to it: a timer alone wakes tens of microseconds late.
+void wait_until(int64_t due, int64_t spin_ns) {
+  int64_t wake = due - spin_ns;
+  if (now_ns() < wake) std::this_thread::sleep_until(at_ns(wake));
+  while (now_ns() < due) {}
+}
+
+// A sender thread paces and sends; the completion-queue thread blocks in Next and records each
+// outcome the moment it arrives. (One thread doing both, polling with AsyncNext until the next
+// send, cost the same CPU but doubled the round trip here: docs/benchmarks.md section 9.)
 class Run {
  public:
   Run(Options o, std::vector<Request> reqs)
-      : o_(std::move(o)), reqs_(std::move(reqs)), records_(reqs_.size()), due_(reqs_.size(), 0) {
+      : o_(std::move(o)), reqs_(std::move(reqs)), records_(reqs_.size()), slots_(o_.concurrency) {
     const char* key = std::getenv("EMBEDCAR_LOADGEN_API_KEY");
     if (key && *key) api_key_ = key;
     channel_ = grpc::CreateChannel(o_.target, grpc::InsecureChannelCredentials());
@@ -159,25 +196,11 @@ class Run {
     start_ns_ = now_ns() + 10'000'000;  // the first send is due 10 ms from now
     std::printf("start %lld\n", static_cast<long long>(start_ns_));
     std::fflush(stdout);
-    if (stream_mode()) open_stream();
-    int64_t last_due = start_ns_ + (reqs_.empty() ? 0 : reqs_.back().offset_ns);
-    give_up_ns_ = last_due + o_.deadline_ns + 1'000'000'000;
-    size_t next = 0;
-    while (next < reqs_.size()) {
-      int64_t due = start_ns_ + reqs_[next].offset_ns;
-      if (now_ns() >= due && (in_flight_ < o_.concurrency || stream_failed_)) {
-        send(next++, due);
-        continue;
-      }
-      if (in_flight_ >= o_.concurrency && !stream_failed_) {  // at the cap: only a reply frees a slot
-        poll_until(INT64_MAX);
-        continue;
-      }
-      int64_t wake = due - o_.spin_ns;
-      if (now_ns() < wake) poll_until(wake);
-      else poll_until(now_ns());  // spinning: take what completed, then look at the clock again
-    }
+    std::thread poller([this] { poll(); });
+    if (o_.mode == "stream") open_stream();
+    send_all();
     finish();
+    poller.join();
   }
 
   void write(const std::string& path) const {
@@ -200,149 +223,140 @@ class Run {
   size_t sent() const { return sent_; }
 
  private:
+  // --- completion-queue tags -------------------------------------------------------------
   struct Tag {
     enum Kind { kUnary, kStart, kWrite, kRead, kWritesDone, kFinish } kind;
   };
   struct UnaryCall : Tag {
     size_t index = 0;
+    int64_t due = 0;
     grpc::ClientContext ctx;
     grpc::ByteBuffer reply;
     grpc::Status status;
     std::unique_ptr<grpc::GenericClientAsyncResponseReader> rpc;
   };
 
-  bool stream_mode() const { return o_.mode == "stream"; }
-
   void add_key(grpc::ClientContext& ctx) const {
     if (!api_key_.empty()) ctx.AddMetadata("x-api-key", api_key_);
   }
 
-  // Handle completions until `until_ns` (INT64_MAX: until one arrives); now_ns() or earlier: only
-  // what has already completed.
-  void poll_until(int64_t until_ns) {
-    void* tag = nullptr;
-    bool ok = false;
-    auto deadline = until_ns == INT64_MAX ? std::chrono::system_clock::now() + std::chrono::hours(24)
-                                          : wall_at(until_ns);
-    while (true) {
-      auto got = cq_.AsyncNext(&tag, &ok, deadline);
-      if (got != grpc::CompletionQueue::GOT_EVENT) return;
-      handle(static_cast<Tag*>(tag), ok);
-      if (until_ns == INT64_MAX) return;
-      deadline = std::chrono::system_clock::now();  // take what else is ready, without waiting
+  void send_all() {
+    for (size_t i = 0; i < reqs_.size(); ++i) {
+      int64_t due = start_ns_ + reqs_[i].offset_ns;
+      wait_until(due, o_.spin_ns);
+      slots_.acquire();
+      int64_t sent = now_ns();
+      Record& r = records_[i];
+      r.send_lag_ns = sent - due;
+      if (sent - due >= o_.deadline_ns || stream_failed_) {
+        // Waited out its deadline behind the cap, or the stream is gone (finish() gives these its
+        // status, as the Python client's call raises the stream's error): not sent.
+        r.latency_ns = sent - due;
+        r.code = stream_failed_ ? kStreamEnded : kDeadlineExceeded;
+        r.body = "waited out its deadline behind the concurrency cap";
+        slots_.release();
+        continue;
+      }
+      due_[i] = due;
+      ++sent_;
+      if (o_.mode == "unary") send_unary(i, due);
+      else send_stream(i);
     }
   }
 
-  void handle(Tag* t, bool ok) {
-    switch (t->kind) {
-      case Tag::kUnary: on_unary(static_cast<UnaryCall*>(t)); break;
-      case Tag::kStart:
-        stream_started_ = true;
-        if (ok) stream_->Read(&read_buf_, &read_tag_);
-        else stream_over();
-        break;
-      case Tag::kWrite: on_write(ok); break;
-      case Tag::kRead: on_read(ok); break;
-      case Tag::kWritesDone: break;
-      case Tag::kFinish: finished_ = true; break;
-    }
-  }
-
-  void send(size_t i, int64_t due) {
-    int64_t sent = now_ns();
-    Record& r = records_[i];
-    r.send_lag_ns = sent - due;
-    if (sent - due >= o_.deadline_ns || stream_failed_) {
-      // Waited out its deadline behind the cap, or the stream is gone (finish() gives these its
-      // status, as the Python client's call raises the stream's error): not sent.
-      r.latency_ns = sent - due;
-      r.code = stream_failed_ ? kStreamEnded : kDeadlineExceeded;
-      r.body = "waited out its deadline behind the concurrency cap";
-      return;
-    }
-    due_[i] = due;
-    ++sent_;
-    ++in_flight_;
-    if (!stream_mode()) {
-      auto* c = new UnaryCall();
-      c->kind = Tag::kUnary;
-      c->index = i;
-      c->ctx.set_deadline(wall_at(due + o_.deadline_ns));
-      add_key(c->ctx);
-      c->rpc = stub_->PrepareUnaryCall(&c->ctx, o_.method, to_buffer(reqs_[i].payload), &cq_);
-      c->rpc->StartCall();
-      c->rpc->Finish(&c->reply, &c->status, c);
-      return;
-    }
-    if (writing_) {  // one write at a time on a call (gRPC's rule): the rest wait their turn
-      write_queue_.push_back(i);
-      return;
-    }
-    start_write(i);
+  void send_unary(size_t i, int64_t due) {
+    auto* c = new UnaryCall();
+    c->kind = Tag::kUnary;
+    c->index = i;
+    c->due = due;
+    c->ctx.set_deadline(wall_at(due + o_.deadline_ns));
+    add_key(c->ctx);
+    c->rpc = stub_->PrepareUnaryCall(&c->ctx, o_.method, to_buffer(reqs_[i].payload), &cq_);
+    c->rpc->StartCall();
+    c->rpc->Finish(&c->reply, &c->status, c);
+    in_flight_.fetch_add(1);
   }
 
   void on_unary(UnaryCall* c) {
     Record& r = records_[c->index];
-    r.latency_ns = now_ns() - due_[c->index];
+    r.latency_ns = now_ns() - c->due;
     r.code = c->status.error_code();
     r.body = c->status.ok() ? from_buffer(c->reply) : c->status.error_message();
     delete c;
-    --in_flight_;
+    done_one();
   }
 
-  // --- the stream: one write at a time, one read always pending ----------------------------
+  // --- the stream: one write at a time (gRPC's rule for a call), one read always pending ---
   void open_stream() {
     add_key(sctx_);
     stream_ = stub_->PrepareCall(&sctx_, o_.method, &cq_);
     stream_->StartCall(&start_tag_);
-    while (!stream_started_) poll_until(INT64_MAX);
+    std::unique_lock<std::mutex> l(m_);
+    cv_.wait(l, [&] { return stream_started_; });
   }
 
-  void start_write(size_t i) {
+  void send_stream(size_t i) {
+    in_flight_.fetch_add(1);
+    std::lock_guard<std::mutex> l(m_);
+    if (stream_failed_) {  // ended since send_all looked: not sent
+      records_[i].latency_ns = now_ns() - due_[i];
+      records_[i].code = kStreamEnded;
+      done_one();
+      return;
+    }
+    if (writing_) {
+      write_queue_.push_back(i);
+      return;
+    }
     writing_ = true;
     write_buf_ = to_buffer(reqs_[i].payload);
     stream_->Write(write_buf_, &write_tag_);
   }
 
   void on_write(bool ok) {
-    writing_ = false;
-    if (!ok) {
-      fail_unwritten();
-    } else if (!write_queue_.empty()) {
-      size_t i = write_queue_.front();
-      write_queue_.pop_front();
-      start_write(i);
+    std::lock_guard<std::mutex> l(m_);
+    if (!ok) fail_unwritten_locked();
+    if (!ok || write_queue_.empty()) {
+      writing_ = false;
+      if (finish_pending_) finish_locked();
+      cv_.notify_all();
       return;
     }
-    if (finish_pending_) read_status();
+    size_t i = write_queue_.front();
+    write_queue_.pop_front();
+    write_buf_ = to_buffer(reqs_[i].payload);
+    stream_->Write(write_buf_, &write_tag_);
   }
 
-  void fail_unwritten() {
+  void fail_unwritten_locked() {
     stream_failed_ = true;
+    slots_.open();
     for (size_t i : write_queue_) {
       records_[i].latency_ns = now_ns() - due_[i];
       records_[i].code = kStreamEnded;
-      --in_flight_;
+      done_one();
     }
     write_queue_.clear();
   }
 
   // The stream is over (a read or the start failed): read its status once no write is outstanding.
-  void stream_over() {
-    stream_ended_ = true;
-    fail_unwritten();
-    if (writing_) finish_pending_ = true;
-    else read_status();
-  }
-
-  void read_status() {
+  void finish_locked() {
     finish_pending_ = false;
     stream_->Finish(&stream_status_, &finish_tag_);
   }
 
+  void stream_over_locked() {
+    stream_ended_ = true;
+    fail_unwritten_locked();
+    if (writing_) finish_pending_ = true;
+    else finish_locked();
+  }
+
   void on_read(bool ok) {
     if (!ok) {  // the stream ended: nothing more is sent, every request still waiting fails
-      stream_over();
+      std::lock_guard<std::mutex> l(m_);
+      stream_over_locked();
+      cv_.notify_all();
       return;
     }
     std::string body = from_buffer(read_buf_);
@@ -352,31 +366,68 @@ class Run {
       r.latency_ns = now_ns() - due_[id - 1];
       r.code = 0;
       r.body = std::move(body);
-      --in_flight_;
+      done_one();
     }
     stream_->Read(&read_buf_, &read_tag_);
   }
 
-  // After the last send: wait for every outcome. Unary calls carry their own deadline. On the
-  // stream, a reply that never comes fails at its deadline plus a second, as the Python runner's
-  // guard does; then the stream is closed (cancelled if the server keeps it open).
+  void done_one() {
+    slots_.release();
+    in_flight_.fetch_sub(1);
+    cv_.notify_all();
+  }
+
+  void poll() {
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq_.Next(&tag, &ok)) {
+      auto* t = static_cast<Tag*>(tag);
+      switch (t->kind) {
+        case Tag::kUnary: on_unary(static_cast<UnaryCall*>(t)); break;
+        case Tag::kStart: {
+          std::lock_guard<std::mutex> l(m_);
+          stream_started_ = true;
+          if (ok) stream_->Read(&read_buf_, &read_tag_);
+          else stream_over_locked();
+          cv_.notify_all();
+          break;
+        }
+        case Tag::kWrite: on_write(ok); break;
+        case Tag::kRead: on_read(ok); break;
+        case Tag::kWritesDone: break;
+        case Tag::kFinish: {
+          std::lock_guard<std::mutex> l(m_);
+          finished_ = true;
+          cv_.notify_all();
+          break;
+        }
+      }
+    }
+  }
+
+  // After the last send: wait for every outcome and stop the queue. Unary calls carry their own
+  // deadline. On the stream, a reply that never comes fails at its deadline plus a second, as the
+  // Python runner's guard does; then the stream is closed (cancelled if the server keeps it open).
   void finish() {
-    if (!stream_mode()) {
-      while (in_flight_ > 0) poll_until(INT64_MAX);
-      drain();
+    if (o_.mode == "unary") {
+      std::unique_lock<std::mutex> l(m_);
+      cv_.wait(l, [&] { return in_flight_.load() == 0; });
+      l.unlock();
+      cq_.Shutdown();
       return;
     }
-    while (in_flight_ > 0 && !stream_ended_ && now_ns() < give_up_ns_) poll_until(give_up_ns_);
+    int64_t last_due = start_ns_ + (reqs_.empty() ? 0 : reqs_.back().offset_ns);
+    std::unique_lock<std::mutex> l(m_);
+    cv_.wait_until(l, at_ns(last_due + o_.deadline_ns + 1'000'000'000),
+                   [&] { return in_flight_.load() == 0 || stream_ended_; });
     if (!stream_ended_) {
-      if (in_flight_ > 0) sctx_.TryCancel();  // replies still owed are abandoned
-      while (writing_) poll_until(INT64_MAX);
+      if (in_flight_.load() > 0) sctx_.TryCancel();  // replies still owed are abandoned
+      cv_.wait(l, [&] { return !writing_; });
       if (!stream_ended_) stream_->WritesDone(&writes_done_tag_);
     }
-    int64_t close_by = now_ns() + 5'000'000'000;
-    while (!finished_ && now_ns() < close_by) poll_until(close_by);
-    if (!finished_) {
+    if (!cv_.wait_for(l, std::chrono::seconds(5), [&] { return finished_; })) {
       sctx_.TryCancel();
-      while (!finished_) poll_until(INT64_MAX);
+      cv_.wait(l, [&] { return finished_; });
     }
     // What the server ended the stream with (e.g. UNAUTHENTICATED) is each unanswered request's.
     bool ended_badly = stream_ended_ && !stream_status_.ok();
@@ -393,30 +444,24 @@ class Run {
         r.body = end_message;
       }
     }
-    drain();
-  }
-
-  void drain() {
+    l.unlock();
     cq_.Shutdown();
-    void* tag = nullptr;
-    bool ok = false;
-    while (cq_.Next(&tag, &ok)) {
-      auto* t = static_cast<Tag*>(tag);
-      if (t->kind == Tag::kUnary) delete static_cast<UnaryCall*>(t);
-    }
   }
 
   Options o_;
   std::vector<Request> reqs_;
   std::vector<Record> records_;
-  std::vector<int64_t> due_;  // 0: not sent
+  std::vector<int64_t> due_ = std::vector<int64_t>(reqs_.size(), 0);
+  Slots slots_;
   std::string api_key_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<grpc::GenericStub> stub_;
   grpc::CompletionQueue cq_;
-  int64_t start_ns_ = 0, give_up_ns_ = 0;
+  int64_t start_ns_ = 0;
   size_t sent_ = 0;
-  int in_flight_ = 0;
+  std::atomic<int> in_flight_{0};
+  std::mutex m_;
+  std::condition_variable cv_;
   // the stream
   grpc::ClientContext sctx_;
   std::unique_ptr<grpc::GenericClientAsyncReaderWriter> stream_;
@@ -424,7 +469,7 @@ class Run {
   grpc::Status stream_status_;
   std::deque<size_t> write_queue_;
   bool writing_ = false, stream_started_ = false, finished_ = false, finish_pending_ = false;
-  bool stream_failed_ = false, stream_ended_ = false;
+  std::atomic<bool> stream_failed_{false}, stream_ended_{false};
   Tag start_tag_{Tag::kStart}, write_tag_{Tag::kWrite}, read_tag_{Tag::kRead},
       writes_done_tag_{Tag::kWritesDone}, finish_tag_{Tag::kFinish};
 };
