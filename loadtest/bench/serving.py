@@ -704,7 +704,8 @@ def write_png(result: Record, path: Path) -> None:
         ax2.bar(x + off, [r[key] for r in measured], width=0.4, alpha=alpha, label=key.upper(),
                 color=[COLORS.get(r["target"], "tab:gray") for r in measured])
     ax2.axhline(sla, color="tab:orange", ls="--", lw=1.5)
-    ax2.set_xticks(x, [f"{r['target']}\n{r['variant']}" for r in measured], fontsize=8)
+    # "stream-native" on two lines: eight or more bars side by side leave no room for it on one.
+    ax2.set_xticks(x, [f"{r['target'].replace('-', chr(10))}\n{r['variant']}" for r in measured], fontsize=8)
     ax2.set_ylabel("latency (ms)")
     ax2.set_title(f"fixed rate {cfg.get('rate', 0):g}/s, median over rounds: P50 (solid), P95 (light)",
                   fontsize=10)
