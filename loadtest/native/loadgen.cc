@@ -1,6 +1,6 @@
 // embedcar-loadgen: the load generator's open-loop sender in C++ on gRPC's C core (the library the
 // sidecar's own server runs on), so that the client's cost in a load test is a compiled client's,
-// as a search node's would be, not Python grpc.aio's (~0.5 ms of CPU per call on the same cores).
+// as a search node's would be, not Python grpc.aio's (0.7-1 ms of CPU per call on the same cores).
 //
 // loadtest/native.py builds it, writes the requests (already-serialized protobuf messages, each
 // with its send time), runs it and reads the records back; it never parses protobuf itself.
