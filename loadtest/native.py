@@ -2,10 +2,11 @@
 
 On two shared cores the load generator's own CPU is in every latency it reports, and a Python
 grpc.aio client costs 0.7-1 ms of CPU per call (`bench transport`): more than the sidecar's own
-stages. A search node calls from a compiled client; `loadtest/native/loadgen.cc` is one, on gRPC's C core (the library
-the sidecar's server runs on), so a load test can measure what such a caller sees. Python still
-does everything but the sending: it builds the schedule and the serialized requests, reads the
-records back and summarizes them exactly as for the Python client (`loadtest.runner`).
+stages. A search node calls from a compiled client; `loadtest/native/loadgen.cc` is one, on
+gRPC's C core (the library the sidecar's server runs on), so a load test can measure what such a
+caller sees. Python still does everything but the sending: it builds the schedule and the
+serialized requests, reads the records back and summarizes them exactly as for the Python client
+(`loadtest.runner`).
 
 Built on first use into `var/loadgen/` (g++ and gRPC's C++ library: Debian's `libgrpc++-dev`,
 which `make test` installs when it can); `native_unavailable_reason()` says why it cannot be.
