@@ -247,7 +247,7 @@ async def send(exe: Path, address: str, method: str, mode: str, payloads: Sequen
 
 async def run_native(target: NativeTarget, texts: Sequence[str], config: RunConfig) -> RunResult:
     """`loadtest.runner.run_load` for a NativeTarget: the same schedule, samples and result."""
-    from loadtest.runner import RunResult, Sample
+    from loadtest.runner import RunResult, Sample, settled_stats
 
     if target.exe is None:
         raise InvalidInput("start the target before running load on it")
@@ -269,7 +269,7 @@ async def run_native(target: NativeTarget, texts: Sequence[str], config: RunConf
                      on_start=window_starts)
     if snaps:
         stats_before = await snaps[0]
-    stats_after = await target.server_stats()
+    stats_after = await settled_stats(target)
     samples: list[Sample] = []
     errors_seen: dict[str, str] = {}
     lags = np.zeros(len(offsets))

@@ -90,6 +90,21 @@ def _cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+async def settled_stats(target: Target, *, pause_s: float = 0.05, max_s: float = 1.0
+                        ) -> dict[str, dict[str, int]] | None:
+    """The target's server statistics once two reads agree: Triton records a request just after its
+    reply has left, so a read right after the last reply can miss that request."""
+    last = await target.server_stats()
+    give_up = time.monotonic() + max_s
+    while last is not None and time.monotonic() < give_up:
+        await asyncio.sleep(pause_s)
+        now = await target.server_stats()
+        if now == last:
+            break
+        last = now
+    return last
+
+
 async def run_load(target: Target, texts: Sequence[str], config: RunConfig) -> RunResult:
     """Send `texts` (cycled, `config.batch` per request) to a started target on the schedule."""
     config.validate()
@@ -158,7 +173,7 @@ async def run_load(target: Target, texts: Sequence[str], config: RunConfig) -> R
     window_ns = (int((start + config.warmup_s + to_mono) * 1e9), int((clock() + to_mono) * 1e9))
     if snap is not None:
         await snap
-    stats_after = await target.server_stats()
+    stats_after = await settled_stats(target)
     wall = clock() - wall0
     done = [s for s in samples if s is not None]
     if len(done) != n:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from loadtest.report import markdown, summarize
-from loadtest.runner import OK, RunConfig, run_load
-from loadtest.targets import HttpEmbedTarget, Target, Timings
+from loadtest.runner import OK, RunConfig, run_load, settled_stats
+from loadtest.targets import HttpEmbedTarget, StubTarget, Target, Timings
 from tests.fixtures_loadtest import StubBehaviour, stub_http_server
 
 TEXTS = [f"organic gluten free pasta sauce number {i}" for i in range(50)]
@@ -178,3 +178,26 @@ async def test_generator_reports_its_own_lag_and_warns_when_it_slips() -> None:
     # The releases that were late carry their lag in their latency (measured from the schedule).
     late = [s for s in result.samples if s.send_lag_s > 0.1]
     assert late and all(s.latency_s >= s.send_lag_s for s in late)
+
+
+class _LaggingStats(StubTarget):
+    """Server statistics that catch up with the last requests a few reads late (as Triton's do)."""
+
+    def __init__(self, catch_up: int) -> None:
+        super().__init__()
+        self.reads = 0
+        self.catch_up = catch_up
+
+    async def server_stats(self) -> dict[str, dict[str, int]] | None:
+        self.reads += 1
+        return {"embedder": {"requests": 15 - max(self.catch_up - self.reads + 1, 0)}}
+
+
+async def test_the_window_statistics_are_read_once_they_stop_moving() -> None:
+    lagging = _LaggingStats(catch_up=2)
+    assert await settled_stats(lagging, pause_s=0.001) == {"embedder": {"requests": 15}}
+    assert await settled_stats(StubTarget()) is None  # no statistics: no waiting either
+    stuck = _LaggingStats(catch_up=10_000)  # never settles: gives up after max_s with the last read
+    t0 = time.perf_counter()
+    got = await settled_stats(stuck, pause_s=0.01, max_s=0.05)
+    assert time.perf_counter() - t0 < 1.0 and got is not None and got["embedder"]["requests"] < 15
