@@ -31,16 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import grpc
 import numpy as np
 
 from inference.errors import Internal, InvalidInput, Unavailable
 from loadtest.schedule import arrival_offsets, pacer_report
 from loadtest.targets import SidecarEmbedTarget, SidecarSearchTarget, SidecarStreamTarget, Target, Timings
-from sidecar.client import embed_request, search_request, stream_error
-from sidecar.errors import from_grpc
+from sidecar.client import embed_request, search_request, status_error, stream_error, timings_of
 from sidecar.proto import embedcar_pb2 as pb
-from sidecar.timings import STAGES
 
 if TYPE_CHECKING:
     from loadtest.runner import RunConfig, RunResult
@@ -55,7 +52,12 @@ FALLBACK_LIBS = ("-lgrpc++", "-lgrpc", "-lgpr", "-labsl_synchronization", "-lpth
 INSTALL_HINT = "it needs g++ and gRPC's C++ library (Debian: apt-get install libgrpc++-dev)"
 API_KEY_ENV = "EMBEDCAR_LOADGEN_API_KEY"
 _RECORD = struct.Struct("<qqiI")  # send_lag_ns, latency_ns, code, body length
-_STATUS_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+# Each Python target the sender can stand in for: its gRPC method and how the calls go.
+_METHODS: dict[type[SidecarEmbedTarget], tuple[str, str]] = {
+    SidecarStreamTarget: ("/embedcar.v1.Embedder/Stream", "stream"),
+    SidecarSearchTarget: ("/embedcar.v1.Embedder/Search", "unary"),
+    SidecarEmbedTarget: ("/embedcar.v1.Embedder/Embed", "unary"),
+}
 
 _built: dict[Path, Path] = {}
 
@@ -114,19 +116,13 @@ class NativeTarget(Target):
         self.name = python.name
         self.build_dir = build_dir
         self.exe: Path | None = None
-        methods: dict[type[SidecarEmbedTarget], tuple[str, str]] = {
-            SidecarStreamTarget: ("/embedcar.v1.Embedder/Stream", "stream"),
-            SidecarSearchTarget: ("/embedcar.v1.Embedder/Search", "unary"),
-            SidecarEmbedTarget: ("/embedcar.v1.Embedder/Embed", "unary"),
-        }
-        self.method, self.mode = methods[type(python)]
+        self.method, self.mode = _METHODS[type(python)]
 
     @classmethod
     def wrap(cls, target: Target) -> NativeTarget:
-        if type(target) not in (SidecarEmbedTarget, SidecarStreamTarget, SidecarSearchTarget):
+        if not isinstance(target, SidecarEmbedTarget) or type(target) not in _METHODS:
             raise InvalidInput(f"the native client sends the sidecar's gRPC calls to one sidecar: not {target.name} "
                                "(sidecar-embed, sidecar-stream or sidecar-search, one address)")
-        assert isinstance(target, SidecarEmbedTarget)
         return cls(target)
 
     async def start(self) -> None:
@@ -159,8 +155,7 @@ class NativeTarget(Target):
     def outcome(self, code: int, body: bytes) -> tuple[str, Timings | None, str]:
         """A record's (outcome code, server timings, error message) as the Python target reports them."""
         if code != 0:
-            status = _STATUS_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
-            err = from_grpc(status, body.decode("utf-8", "replace"))
+            err = status_error(code, body.decode("utf-8", "replace"))
             return err.code, None, err.message
         reply: Any
         if self.mode == "stream":
@@ -172,7 +167,7 @@ class NativeTarget(Target):
         else:
             reply = (pb.SearchReply if isinstance(self.python, SidecarSearchTarget) else pb.EmbedReply).FromString(body)
         self.python.model = reply.model
-        return "ok", {s: int(getattr(reply.timings, s)) for s in STAGES}, ""
+        return "ok", timings_of(reply.timings), ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,8 @@ class SearchResult:
     backend: str = ""
 
 
-def _timings(t: pb.Timings) -> dict[str, int]:
+def timings_of(t: pb.Timings) -> dict[str, int]:
+    """A reply's Timings message as {stage: ns}."""
     return {k: int(getattr(t, k)) for k in STAGES}
 
 
@@ -71,12 +72,12 @@ def decode_embed(reply: pb.EmbedReply) -> EmbedResult:
     dtype = "<f2" if reply.dtype == pb.FLOAT16 else "<f4"
     emb = np.frombuffer(reply.embeddings, dtype=dtype).reshape(reply.rows, reply.dim)
     return EmbedResult(emb.astype(np.float32, copy=False), reply.model, list(reply.cache_hits),
-                       list(reply.truncated), _timings(reply.timings), reply.backend)
+                       list(reply.truncated), timings_of(reply.timings), reply.backend)
 
 
 def decode_search(reply: pb.SearchReply) -> SearchResult:
     hits = [[Hit(h.id, float(h.score), dict(h.fields), tuple(h.legs)) for h in hl.hits] for hl in reply.results]
-    return SearchResult(hits, reply.model, reply.index_version, list(reply.cache_hits), _timings(reply.timings),
+    return SearchResult(hits, reply.model, reply.index_version, list(reply.cache_hits), timings_of(reply.timings),
                         reply.backend)
 
 
@@ -121,10 +122,14 @@ RPC_ERRORS = _RpcErrors()
 _STATUS_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
 
 
+def status_error(code: int, message: str, retry_after_s: float | None = None) -> EmbedcarError:
+    """The project error for a gRPC status given by its number (a stream's error reply, a record)."""
+    return from_grpc(_STATUS_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN), message, retry_after_s)
+
+
 def stream_error(err: pb.StreamError) -> EmbedcarError:
     """The project error for a Stream request's error reply (as the same unary call would raise)."""
-    code = _STATUS_BY_NUMBER.get(err.code, grpc.StatusCode.UNKNOWN)
-    return from_grpc(code, err.message, err.retry_after_s or None)
+    return status_error(err.code, err.message, err.retry_after_s or None)
 
 
 @dataclass(slots=True)

@@ -368,15 +368,13 @@ def start_contenders(settings: Settings, cfg: ServingConfig, variant: str,
                         settings, backend="embedded", variant=variant, extra_env=env,
                         log_file=logs / f"sidecar-embedded-{variant}.log"))
                 if kind != "http":
-                    stream = kind.startswith("stream")
+                    stream, native = kind.startswith("stream"), kind.endswith("-native")
+                    if native and (reason := native_unavailable_reason()):
+                        c.skipped = reason
+                        log.warning("%s skipped: %s", c.key, reason)
+                        continue
                     python = (SidecarStreamTarget if stream else SidecarEmbedTarget)(sidecar.grpc_target)
-                    if kind.endswith("-native"):
-                        reason = native_unavailable_reason()
-                        if reason:
-                            c.skipped = reason
-                            log.warning("%s skipped: %s", c.key, reason)
-                            continue
-                    c.target = NativeTarget(python) if kind.endswith("-native") else python
+                    c.target = NativeTarget(python) if native else python
                     c.vector = _grpc_vector(sidecar.grpc_target, stream=stream)
                 else:
                     c.target = HttpEmbedTarget(sidecar.http_url)

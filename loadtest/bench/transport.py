@@ -72,13 +72,11 @@ def _server_main(ports: Any) -> None:
 
 
 def _stream_payload(i: int) -> bytes:
-    """REQUEST's size, starting with field 1 = i + 1 (what the native sender matches replies by)."""
-    head, v = bytearray(b"\x08"), i + 1
-    while v >= 0x80:
-        head.append(v & 0x7F | 0x80)
-        v >>= 7
-    head.append(v)
-    return bytes(head) + REQUEST[len(head):]
+    """REQUEST's size, starting with a StreamRequest's id i + 1 (what the native sender matches replies by)."""
+    from sidecar.proto import embedcar_pb2 as pb
+
+    head = pb.StreamRequest(id=i + 1).SerializeToString()
+    return head + REQUEST[len(head):]
 
 
 async def _measure(grpc_port: int, tcp_port: int, server_pid: int, *, rounds: int, block: int, gap_s: float,
