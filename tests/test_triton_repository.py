@@ -46,6 +46,7 @@ def test_cpu_repository_pools_inside_the_encoder(settings: Settings, manifest: M
                                                             ("embedding", [manifest.dim])]
     assert enc.parameters["mode"].string_value == manifest.pooling
     assert enc.parameters["special_ids"].string_value == ",".join(map(str, manifest.special_ids))
+    assert not enc.dynamic_batching.HasField("default_queue_policy")  # why: test_cpu_repository_two_steps
     (step,) = cfg[ENSEMBLE].ensemble_scheduling.step
     assert step.model_name == ENCODER and dict(step.output_map) == {"embedding": "embedding"}
     assert {i.name for i in cfg[ENSEMBLE].input} == set(manifest.inputs)
@@ -84,6 +85,10 @@ def test_cpu_repository_two_steps(settings: Settings, manifest: Manifest, model_
     assert pool.backend == "python" and pool.parameters["mode"].string_value == manifest.pooling
     assert [o.name for o in pool.output] == ["embedding"] and list(pool.output[0].dims) == [manifest.dim]
     assert pool.dynamic_batching.max_queue_delay_microseconds == 0
+    # No queue policy on a Python-backend model: one turns off Triton's payload prefetching and with
+    # it on a batcher path that can lose its wake-up (500 ms); the encoder checks deadlines itself.
+    assert not enc.dynamic_batching.HasField("default_queue_policy")
+    assert not pool.dynamic_batching.HasField("default_queue_policy")
 
     ens = cfg[ENSEMBLE]
     assert ens.platform == "ensemble"
@@ -110,6 +115,11 @@ def test_gpu_repository(settings: Settings, manifest: Manifest, model_dir: Path,
     assert group.kind == mc.ModelInstanceGroup.KIND_GPU and group.count == 4
     assert not (repo / ENCODER / "1" / "model.py").exists(), "a CPU leftover would confuse Triton"
     assert cfg[POOLING].parameters["sys_path"].string_value == "/opt/embedcar"
+    # A TensorRT plan cannot refuse expired requests itself: Triton's queue does it, from the
+    # request's own timeout. The pooling step after it has nothing left to save.
+    policy = enc.dynamic_batching.default_queue_policy
+    assert policy.allow_timeout_override and policy.timeout_action == mc.ModelQueuePolicy.REJECT
+    assert not cfg[POOLING].dynamic_batching.HasField("default_queue_policy")
     # ids types agree along the ensemble, whatever the target chose
     id_types = {i.data_type for i in enc.input} | {i.data_type for i in cfg[ENSEMBLE].input}
     assert len(id_types) == 1

@@ -36,6 +36,10 @@ _MAX_MSG = 256 * 1024 * 1024
 ID_TYPES = {"INT32": np.int32, "INT64": np.int64}
 WIRE_TYPES = {np.int32: "INT32", np.int64: "INT64"}
 OUTPUT = "embedding"
+# The caller's deadline, wall clock (ns since the epoch), as a request parameter: the CPU encoder
+# answers EXPIRED instead of computing a request that waited past it (inference/triton/models/encoder).
+DEADLINE_PARAM = "embedcar_deadline_ns"
+EXPIRED = "request timeout expired before the encoder ran"
 
 
 def map_error(exc: Exception, url: str) -> EmbedcarError:
@@ -235,8 +239,10 @@ class TritonBackend(Backend):
             req.inputs.add(name=name, datatype=datatype, shape=arr.shape)
             req.raw_input_contents.append(arr.tobytes())  # one serialisation into the raw contents
         req.outputs.add(name=OUTPUT)
-        # Triton's own server-side timeout (µs): a request that waited past it is not computed.
+        # A request that waited past these is not computed: Triton's own timeout (µs) where a model
+        # has a queue policy (the GPU encoder), the wall-clock deadline where the model checks it.
         req.parameters["timeout"].int64_param = int(timeout_s * 1_000_000)
+        req.parameters[DEADLINE_PARAM].int64_param = time.time_ns() + int(timeout_s * 1e9)
         return req
 
     @staticmethod

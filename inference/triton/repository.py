@@ -81,11 +81,23 @@ def _param(cfg: mc.ModelConfig, key: str, value: object) -> None:
     cfg.parameters[key].string_value = str(value)
 
 
-def _batching(cfg: mc.ModelConfig, settings: Settings, delay_us: int) -> None:
+def _batching(cfg: mc.ModelConfig, settings: Settings, delay_us: int, *, queue_timeouts: bool) -> None:
+    """Dynamic batching; `queue_timeouts`: Triton rejects a request that waited past its own timeout.
+
+    Only for a model that cannot drop expired requests itself (the GPU target's TensorRT plan). Any
+    queue policy turns off Triton's payload prefetching, and its batcher then waits for a free
+    instance on a condition that can miss its wake-up (triton core, DynamicBatchScheduler::
+    WaitForPayloadSlotAvailable: the notify comes before the instance is free again): a request
+    that arrived just as the previous reply left waited the batcher's fixed 500 ms, or until the
+    next arrival. Without a policy that path is never taken. The CPU encoder checks the caller's
+    deadline itself before running the model (its model.py); the pooling step runs after the work.
+    """
     t = settings.triton
     cfg.dynamic_batching.preferred_batch_size.extend(
         sorted(b for b in set(t.preferred_batch_sizes) if 1 < b <= t.max_batch_size))
     cfg.dynamic_batching.max_queue_delay_microseconds = delay_us
+    if not queue_timeouts:
+        return
     # Requests carry their own (shorter) server-side timeout; one that waited past it in the queue
     # is rejected instead of computed for a caller that has given up.
     policy = cfg.dynamic_batching.default_queue_policy
@@ -119,7 +131,7 @@ def encoder_config(settings: Settings, manifest: Manifest, model_dir: Path, *, t
     for name in manifest.inputs:
         cfg.input.add(name=name, data_type=_ids_type(target), dims=[-1])
     cfg.output.add(name=HIDDEN, data_type=mc.TYPE_FP32, dims=[-1, manifest.dim])
-    _batching(cfg, settings, t.max_queue_delay_us)
+    _batching(cfg, settings, t.max_queue_delay_us, queue_timeouts=target == "gpu")
     if target == "gpu":
         cfg.platform = "tensorrt_plan"
         cfg.default_model_filename = PLAN_FILE
@@ -149,7 +161,7 @@ def pooling_config(settings: Settings, manifest: Manifest, *, target: str, sys_p
         cfg.input.add(name="input_ids", data_type=_ids_type(target), dims=[-1])
     cfg.output.add(name=OUTPUT, data_type=mc.TYPE_FP32, dims=[manifest.dim])
     # Pooling is cheap and runs per request; queue delay 0 = take what is queued, never wait.
-    _batching(cfg, settings, 0)
+    _batching(cfg, settings, 0, queue_timeouts=False)
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
     _pooling_params(cfg, manifest)
     _param(cfg, "sys_path", os.pathsep.join(sys_path))

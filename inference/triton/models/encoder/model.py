@@ -5,6 +5,10 @@ backend stub's own Python: the project and venv paths come from the `sys_path` c
 With fused pooling (the config has a `mode` parameter) it can also emit `embedding`, pooled here
 by `inference.pooling.pool` (the function every backend uses), which saves the ensemble a second
 Python-backend hop; it computes only the outputs a request asks for.
+
+A request whose caller's deadline (the backend's wall-clock parameter) passed while it queued is
+answered with an error instead of computed: Triton's own queue timeouts would do this, but any
+queue policy turns on a batcher path that can lose its wake-up (inference/triton/repository.py).
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import numpy as np  # importable wherever the backend utils are: they need it themselves
 import triton_python_backend_utils as pb_utils
+
+EXPIRED_METRIC = "embedcar_encoder_expired_total"
 
 
 def config_params(args: dict[str, str]) -> dict[str, str]:
@@ -28,14 +35,16 @@ def config_params(args: dict[str, str]) -> dict[str, str]:
     return params
 
 
-def to_numpy(tensor: Any) -> Any:
-    """Zero-copy numpy view through DLPack.
-
-    The wheel's stub was built for numpy < 2; with numpy 2 its as_numpy()/Tensor(ndarray) read the
-    array descriptor wrongly (garbage values, zero-byte outputs). DLPack carries dtype and shape
-    itself, so it works with either numpy.
-    """
-    return np.from_dlpack(tensor)
+def expired_counter() -> tuple[Any, Any]:
+    """Triton's /metrics counter of requests answered EXPIRED, with its family (which must outlive
+    it); (None, None) where the server has metrics off."""
+    try:
+        family = pb_utils.MetricFamily(
+            name=EXPIRED_METRIC, kind=pb_utils.MetricFamily.COUNTER,
+            description="Requests the encoder refused to compute: their caller's deadline passed while they queued")
+        return family, family.Metric(labels={"model": "encoder"})
+    except Exception:
+        return None, None
 
 
 class TritonPythonModel:
@@ -62,20 +71,25 @@ class TritonPythonModel:
             self.pool = pool
             self.mode, self.special_ids = params_from_config(params)
         from inference import heap
+        from inference.backends.triton import DEADLINE_PARAM, EXPIRED
+        from inference.triton.models import tensors
 
+        self.tensors = tensors
+        self.deadline_param, self.expired = DEADLINE_PARAM, EXPIRED
+        self.expired_family, self.expired_count = expired_counter()
         heap.settle()  # the stub is this model's own process: no full collection pauses its requests
 
     def _outputs(self, request: Any, feed: dict[str, Any], hidden: Any) -> list[Any]:
         wanted = set(request.requested_output_names()) or {"last_hidden_state"}
         out = []
         if "last_hidden_state" in wanted:
-            out.append(pb_utils.Tensor.from_dlpack("last_hidden_state", hidden))
+            out.append(self.tensors.output("last_hidden_state", hidden))
         if "embedding" in wanted:
             if self.pool is None:
                 raise ValueError("this encoder was configured without pooling")
             emb = self.pool(hidden, feed["attention_mask"], self.mode, input_ids=feed["input_ids"],
                             special_ids=self.special_ids)
-            out.append(pb_utils.Tensor.from_dlpack("embedding", emb))
+            out.append(self.tensors.output("embedding", emb))
         return out
 
     def _feed(self, request: Any) -> dict[str, Any]:
@@ -83,21 +97,37 @@ class TritonPythonModel:
         for name in self.inputs:
             t = pb_utils.get_input_tensor_by_name(request, name)
             if t is not None:
-                feed[name] = to_numpy(t).astype(np.int64, copy=False)
+                feed[name] = self.tensors.to_numpy(t).astype(np.int64, copy=False)
         if "token_type_ids" in self.inputs and "token_type_ids" not in feed:
             feed["token_type_ids"] = np.zeros_like(feed["input_ids"])
         return feed
+
+    def _expired(self, request: Any, now_ns: int) -> bool:
+        raw = request.parameters()  # a JSON object as text; most requests carry no parameters
+        if self.deadline_param not in raw:
+            return False
+        deadline = json.loads(raw).get(self.deadline_param)
+        return isinstance(deadline, int) and now_ns > deadline
 
     def execute(self, requests: list[Any]) -> list[Any]:
         """One ORT run per same-shape group of requests, one response per request."""
         feeds: list[dict[str, Any] | None] = []
         responses: list[Any] = [None] * len(requests)
+        now, expired = time.time_ns(), 0
         for i, req in enumerate(requests):
+            if self._expired(req, now):
+                feeds.append(None)
+                responses[i] = pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(self.expired, pb_utils.TritonError.UNAVAILABLE))
+                expired += 1
+                continue
             try:
                 feeds.append(self._feed(req))
             except Exception as exc:
                 feeds.append(None)
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"encoder input: {exc}"))
+        if expired and self.expired_count is not None:
+            self.expired_count.increment(expired)
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, feed in enumerate(feeds):
             if feed is not None:

@@ -11,7 +11,6 @@ import os
 import sys
 from typing import Any
 
-import numpy as np  # importable wherever the backend utils are: they need it themselves
 import triton_python_backend_utils as pb_utils
 
 
@@ -25,34 +24,27 @@ def config_params(args: dict[str, str]) -> dict[str, str]:
     return params
 
 
-def to_numpy(tensor: Any) -> Any:
-    """Zero-copy numpy view through DLPack.
-
-    The wheel's stub was built for numpy < 2; with numpy 2 its as_numpy()/Tensor(ndarray) read the
-    array descriptor wrongly (garbage values, zero-byte outputs). DLPack carries dtype and shape
-    itself, so it works with either numpy.
-    """
-    return np.from_dlpack(tensor)
-
-
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         params = config_params(args)
         from inference.pooling import params_from_config, pool
 
         self.pool: Any = pool
+        from inference.triton.models import tensors
+
+        self.tensors = tensors
         self.mode, self.special_ids = params_from_config(params)
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
         for req in requests:
             try:
-                hidden = to_numpy(pb_utils.get_input_tensor_by_name(req, "last_hidden_state"))
-                mask = to_numpy(pb_utils.get_input_tensor_by_name(req, "attention_mask"))
+                hidden = self.tensors.to_numpy(pb_utils.get_input_tensor_by_name(req, "last_hidden_state"))
+                mask = self.tensors.to_numpy(pb_utils.get_input_tensor_by_name(req, "attention_mask"))
                 ids_t = pb_utils.get_input_tensor_by_name(req, "input_ids")
-                ids = to_numpy(ids_t) if ids_t is not None else None
+                ids = self.tensors.to_numpy(ids_t) if ids_t is not None else None
                 emb = self.pool(hidden, mask, self.mode, input_ids=ids, special_ids=self.special_ids)
-                out = pb_utils.Tensor.from_dlpack("embedding", emb)
+                out = self.tensors.output("embedding", emb)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
             except Exception as exc:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"pooling: {exc}")))
