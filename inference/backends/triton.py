@@ -37,7 +37,8 @@ ID_TYPES = {"INT32": np.int32, "INT64": np.int64}
 WIRE_TYPES = {np.int32: "INT32", np.int64: "INT64"}
 OUTPUT = "embedding"
 # The caller's deadline, wall clock (ns since the epoch), as a request parameter: the CPU encoder
-# answers EXPIRED instead of computing a request that waited past it (inference/triton/models/encoder).
+# answers EXPIRED instead of computing a request that waited past it (inference/triton/models/encoder;
+# across hosts this needs synchronised clocks: docs/scale.md).
 DEADLINE_PARAM = "embedcar_deadline_ns"
 EXPIRED = "request timeout expired before the encoder ran"
 
