@@ -279,6 +279,26 @@ async def test_a_request_whose_deadline_passed_in_the_queue_is_not_computed(
         pytest.fail(f"expired requests computed instead of refused: refused {outcomes} of {n} per attempt")
 
 
+async def test_a_deadline_already_past_at_the_encoder_is_deadline_exceeded(
+        triton_server: TritonServer, backend: TritonBackend, tokenizer: QueryTokenizer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal travels back through the ensemble as the caller's DEADLINE_EXCEEDED, and the
+    endpoint stays up (a refusal is not an outage). The sidecar's clock is set back 10 s, so the
+    deadline it sends has passed on Triton's clock while gRPC's own relative timeout has not."""
+    import inference.backends.triton as triton_backend
+
+    batch = tokenizer.batch(tokenizer.encode(["brown rice"]).ids)
+    refused_before = await asyncio.to_thread(_refused, triton_server)
+    real = time.time_ns
+    monkeypatch.setattr(triton_backend.time, "time_ns", lambda: real() - 10 * 10**9)
+    with pytest.raises(DeadlineExceeded, match="expired before the encoder ran"):
+        await backend.embed(batch, timeout_s=5.0)
+    monkeypatch.undo()
+    assert backend.ready()
+    assert (await backend.embed(batch)).shape == (1, backend.dim)
+    assert await asyncio.to_thread(_refused, triton_server) - refused_before == 1
+
+
 async def test_serving_writes_nothing_to_the_log_per_request(triton_server: TritonServer, backend: TritonBackend,
                                                              tokenizer: QueryTokenizer) -> None:
     # The stub once left numpy a DLPack capsule it could not recognise: a traceback per output tensor.
