@@ -285,12 +285,10 @@ async def test_a_deadline_already_past_at_the_encoder_is_deadline_exceeded(
     """The refusal travels back through the ensemble as the caller's DEADLINE_EXCEEDED, and the
     endpoint stays up (a refusal is not an outage). The sidecar's clock is set back 10 s, so the
     deadline it sends has passed on Triton's clock while gRPC's own relative timeout has not."""
-    import inference.backends.triton as triton_backend
-
     batch = tokenizer.batch(tokenizer.encode(["brown rice"]).ids)
     refused_before = await asyncio.to_thread(_refused, triton_server)
     real = time.time_ns
-    monkeypatch.setattr(triton_backend.time, "time_ns", lambda: real() - 10 * 10**9)
+    monkeypatch.setattr(time, "time_ns", lambda: real() - 10 * 10**9)  # what the backend reads
     with pytest.raises(DeadlineExceeded, match="expired before the encoder ran"):
         await backend.embed(batch, timeout_s=5.0)
     monkeypatch.undo()
