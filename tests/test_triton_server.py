@@ -80,12 +80,17 @@ def _stub_pids(server: TritonServer, model: str) -> list[int]:
 _FREEZE_S = 0.7
 
 
-def _pending(server: TritonServer, model: str) -> float:
-    """Triton's gauge of requests queued for `model` and not yet handed to an instance."""
+def _metric(server: TritonServer, pattern: str) -> float:
+    """The value of the first /metrics line matching `pattern` (0 if absent)."""
     with urllib.request.urlopen(server.metrics_url, timeout=1) as r:
         text = r.read().decode()
-    m = re.search(rf'^nv_inference_pending_request_count{{model="{model}",version="1"}} (\S+)$', text, re.M)
+    m = re.search(rf"^{pattern} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
+
+
+def _pending(server: TritonServer, model: str) -> float:
+    """Triton's gauge of requests queued for `model` and not yet handed to an instance."""
+    return _metric(server, rf'nv_inference_pending_request_count\{{model="{model}",version="1"\}}')
 
 
 async def test_dynamic_batching_happens(triton_server: TritonServer, backend: TritonBackend,
@@ -201,14 +206,6 @@ async def test_deadline_is_enforced(backend: TritonBackend, tokenizer: QueryToke
     with pytest.raises(DeadlineExceeded):
         await backend.embed(batch, timeout_s=1e-4)
     assert (await backend.embed(batch)).shape == (1, backend.dim)  # the channel is fine afterwards
-
-
-def _metric(server: TritonServer, pattern: str) -> float:
-    """The value of the first /metrics line matching `pattern` (0 if absent)."""
-    with urllib.request.urlopen(server.metrics_url, timeout=2) as r:
-        text = r.read().decode()
-    m = re.search(rf"^{pattern} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 def _refused(server: TritonServer) -> float:

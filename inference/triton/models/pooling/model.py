@@ -28,10 +28,9 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         params = config_params(args)
         from inference.pooling import params_from_config, pool
-
-        self.pool: Any = pool
         from inference.triton.models import tensors
 
+        self.pool: Any = pool
         self.tensors = tensors
         self.mode, self.special_ids = params_from_config(params)
 
