@@ -123,7 +123,8 @@ async def build(settings: Settings, spec: BuildSpec, *, backend: Backend | None 
             vectors = await emb.run(texts, checkpoints)
         calibration = None
         if n == 1 and _approximate(settings, spec, len(texts)):
-            calibration = await calibration_queries(texts, tokenizer, await _started(be), cs.batch_size)
+            calibration = await calibration_queries(texts, _tokenizer(settings, "query"), await _started(be),
+                                                    cs.batch_size)
     finally:
         if own:
             await be.close()
@@ -196,9 +197,11 @@ def _read(spec: BuildSpec) -> Loaded:
     return read_path(spec.source, id_field=spec.id_field, text_fields=spec.text_fields, limit=spec.limit)
 
 
-def _tokenizer(settings: Settings) -> QueryTokenizer:
+def _tokenizer(settings: Settings, role: str = "document") -> QueryTokenizer:
+    """Products are documents, calibration fragments queries: each gets the model's prompt for it."""
     model_dir = settings.model.model_dir
-    return load_tokenizer(model_dir, load_manifest(model_dir), max_text_chars=settings.model.truncate_text_chars)
+    return load_tokenizer(model_dir, load_manifest(model_dir), max_text_chars=settings.model.truncate_text_chars,
+                          role=role)
 
 
 def _configured_model_id(settings: Settings) -> str:
@@ -218,7 +221,7 @@ async def _merge_calibration(settings: Settings, products: list[Product], text_f
     try:
         await backend.start()
         return await calibration_queries([compose_text(p.fields, text_fields) for p in products],
-                                         _tokenizer(settings), backend, settings.catalog.batch_size)
+                                         _tokenizer(settings, "query"), backend, settings.catalog.batch_size)
     finally:
         await backend.close()
 

@@ -118,10 +118,11 @@ async def evaluate(settings: Settings, *, variant: str, pooling: str, limit: int
     backend = OnnxBackend(model_dir, manifest, variant=variant, threads=settings.model.intra_op_threads,
                           max_batch=max(settings.catalog.batch_size, 1))
     embedder = Embedder(load_tokenizer(model_dir, manifest), backend, max_batch=len(texts))
+    documents = Embedder(load_tokenizer(model_dir, manifest, role="document"), backend, max_batch=len(texts))
     sets = [aisle_queries(products), known_item_queries(products, known_items, seed=seed)]
     try:
         await backend.start()
-        vectors = await embed_all(embedder, texts, settings.catalog.batch_size)
+        vectors = await embed_all(documents, texts, settings.catalog.batch_size)
         qvecs = [await embed_all(embedder, s.queries, settings.catalog.batch_size) for s in sets]
         # Tuned on other fragments (another seed) than the ones scored, as a build would be.
         calibration = await calibration_queries(texts, embedder.tokenizer, backend, settings.catalog.batch_size,

@@ -90,7 +90,7 @@ class ChunkActor:
                                      "give every node the same prepared model")
         self._loop.run_until_complete(self._backend.start())
         self._tokenizer = load_tokenizer(m.model_dir, load_manifest(m.model_dir),
-                                         max_text_chars=m.truncate_text_chars)
+                                         max_text_chars=m.truncate_text_chars, role="document")
         self._batch_size = batch_size
         self._in_flight = in_flight
 

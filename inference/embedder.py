@@ -17,7 +17,10 @@ from inference.text import check_texts
 from inference.tokenizer import QueryTokenizer
 
 
-def load_tokenizer(model_dir: Path, manifest: Manifest, *, max_text_chars: int = 20_000) -> QueryTokenizer:
+def load_tokenizer(model_dir: Path, manifest: Manifest, *, max_text_chars: int = 20_000,
+                   role: str = "query") -> QueryTokenizer:
+    """The tokenizer for texts of `role`: "query" (the sidecar, `embedcar embed`) or "document"
+    (the catalog job): each gets the model's own prompt for that role, if it has one."""
     return QueryTokenizer(
         model_dir / "tokenizer.json",
         max_length=manifest.max_length,
@@ -25,6 +28,8 @@ def load_tokenizer(model_dir: Path, manifest: Manifest, *, max_text_chars: int =
         pad_id=manifest.pad_id,
         with_token_type_ids=manifest.has_token_type_ids,
         max_text_chars=max_text_chars,
+        prompt=manifest.prompt(role),
+        pool_skip=manifest.pool_skip(role),
     )
 
 

@@ -1,7 +1,8 @@
 """The model manifest: what a prepared model directory holds and the version id derived from it.
 
 The version id hashes every checksum that can change an embedding (weights, tokenizer, ONNX
-variants, pooling, max length), so cache keys and indexes built with it never mix models.
+variants, pooling, max length, and the head: Dense layers, normalisation, prompts), so cache keys
+and indexes built with it never mix models.
 """
 
 from __future__ import annotations
@@ -46,6 +47,23 @@ class Manifest:
     default_variant: str = "fp32"
     created: str = ""
     version_id: str = ""
+    # What sentence-transformers runs after the transformer (inference/head.py): Dense layers
+    # (weights in `dense_file`, one activation each), then L2 normalisation when `normalize`.
+    hidden_size: int = 0  # the encoder's width (0: same as dim); dim is the served vector's length
+    normalize: bool = True
+    dense_file: str = ""
+    dense_sha256: str = ""
+    dense_activations: tuple[str, ...] = ()
+    # Text put before each query / each catalog document (config_sentence_transformers.json), and
+    # each prompt's length in tokens with [CLS]: pooled over unless `include_prompt` is false.
+    prompts: dict[str, str] = field(default_factory=dict)
+    prompt_lengths: dict[str, int] = field(default_factory=dict)
+    include_prompt: bool = True
+    similarity: str = "cosine"
+    # Reduced-precision variants left out because they missed their tolerance, with their figures.
+    refused: dict[str, dict[str, float]] = field(default_factory=dict)
+    # How the default variant was chosen (measured figures), for `model show` and the report.
+    default_reason: str = ""
 
     def with_version(self) -> Self:
         return type(self)(**{**_fields(self), "version_id": self.compute_version_id()})
@@ -58,14 +76,40 @@ class Manifest:
             self.pooling,
             str(self.max_length),
             *(f"{k}:{v.sha256}" for k, v in sorted(self.variants.items())),
+            *self._head_parts(),
         ):
             h.update(part.encode())
             h.update(b"\0")
         return f"{self.name}@{h.hexdigest()[:16]}"
 
+    def _head_parts(self) -> list[str]:
+        # Only what differs from the plain mean-pooled, normalised model, so ids of such models
+        # (and the caches and indexes keyed by them) stay what they were before these fields.
+        parts = [] if self.normalize else ["unnormalized"]
+        if self.dense_file:
+            parts.append(f"dense:{self.dense_sha256}:{','.join(self.dense_activations)}")
+        parts += [f"prompt:{k}:{v}" for k, v in sorted(self.prompts.items()) if v]
+        if not self.include_prompt:
+            parts.append("exclude-prompt")
+        return parts
+
+    @property
+    def encoder_width(self) -> int:
+        """Width of the encoder's last_hidden_state (before any Dense layer)."""
+        return self.hidden_size or self.dim
+
+    def prompt(self, role: str) -> str:
+        """The text put before a `role` ("query" or "document") text; "" for none."""
+        return self.prompts.get(role, "")
+
+    def pool_skip(self, role: str) -> int:
+        """Leading tokens a `role` text's pooling leaves out (its prompt, when include_prompt is off)."""
+        return 0 if self.include_prompt or not self.prompt(role) else self.prompt_lengths.get(role, 0)
+
     def variant_id(self, variant: str) -> str:
-        """Version id of one served variant: fp32 and int8 embeddings differ, so caches must too."""
-        return f"{self.version_id}/{variant}"
+        """Version id of one served variant: fp32 and int8 embeddings differ, so caches must too.
+        An empty `variant` is the model's default."""
+        return f"{self.version_id}/{variant or self.default_variant}"
 
     def variant(self, name: str | None = None) -> Variant:
         key = name or self.default_variant
@@ -88,6 +132,7 @@ class Manifest:
         raw["buckets"] = tuple(raw["buckets"])
         raw["inputs"] = tuple(raw["inputs"])
         raw["special_ids"] = tuple(raw["special_ids"])
+        raw["dense_activations"] = tuple(raw.get("dense_activations", ()))
         m = cls(**raw)
         check_mode(m.pooling)
         return m
@@ -120,6 +165,10 @@ def verify_files(model_dir: Path, manifest: Manifest) -> list[str]:
         p = model_dir / v.file
         if not p.exists() or sha256_file(p) != v.sha256:
             problems.append(f"variant {key} ({v.file}) missing or changed")
+    if manifest.dense_file:
+        dense = model_dir / manifest.dense_file
+        if not dense.exists() or sha256_file(dense) != manifest.dense_sha256:
+            problems.append(f"Dense layers ({manifest.dense_file}) missing or changed")
     if manifest.version_id != manifest.compute_version_id():
         problems.append("version id does not match the checksums")
     return problems

@@ -49,9 +49,11 @@ class ModelSettings:
     models_dir: Path = setting(Path("models"), "Folder holding prepared model directories (git-ignored).")
     name: str = setting("all-MiniLM-L6-v2", "Model directory name under models_dir.", flag="model")
     variant: str = setting(
-        "int8", "ONNX variant to serve: int8 (per-channel, the CPU default: about half fp32's latency at "
-        "recall within 0.005 of it), fp32 (fused) or fp16 (a GPU Triton's TensorRT plan). Embeddings, "
-        "caches and catalog indexes are per variant: a sidecar serves the newest index of its own."
+        "", "ONNX variant to serve; empty = the model's own default, chosen when it was prepared and "
+        "recorded in its manifest (int8 for the bundled MiniLM: about half fp32's latency at recall within "
+        "0.005 of it; fp32 for a model whose int8 missed its check). int8 (per-channel), fp32 (fused) or "
+        "fp16 (a GPU Triton's TensorRT plan). Embeddings, caches and catalog indexes are per variant: a "
+        "sidecar serves the newest index of its own."
     )
     intra_op_threads: int = setting(0, "Embedded backend: ONNX Runtime intra-op threads; 0 = number of cores.",
                                     flag="threads")
@@ -82,6 +84,14 @@ class ModelSettings:
     @property
     def model_dir(self) -> Path:
         return self.models_dir / self.name
+
+    def served_variant(self) -> str:
+        """`variant`, or the prepared model's own default where it is empty."""
+        if self.variant:
+            return self.variant
+        from inference.manifest import load_manifest
+
+        return load_manifest(self.model_dir).default_variant
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """HF `tokenizers` with truncation at the manifest's max length, no fixed padding, and bucketing.
 
 The shipped tokenizer.json of all-MiniLM-L6-v2 pads every input to 128: we switch that off, or
-every query would cost 128 tokens.
+every query would cost 128 tokens. A model with a prompt for its texts' role (E5's "query: ")
+gets it put before each text here, as sentence-transformers does, so callers never send it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class TokenBatch:
     input_ids: IntArray
     attention_mask: IntArray
     token_type_ids: IntArray | None
+    # Leading positions the pooling leaves out: the prompt, for a model that pools without it.
+    pool_skip: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -61,6 +64,8 @@ class QueryTokenizer:
         pad_id: int,
         with_token_type_ids: bool,
         max_text_chars: int = 20_000,
+        prompt: str = "",
+        pool_skip: int = 0,
     ) -> None:
         self._tok = Tokenizer.from_file(str(tokenizer_file))
         self._tok.no_padding()
@@ -70,11 +75,15 @@ class QueryTokenizer:
         self.pad_id = pad_id
         self.with_token_type_ids = with_token_type_ids
         self.max_text_chars = max_text_chars
+        self.prompt = prompt
+        self.pool_skip = pool_skip
 
     def encode(self, texts: Sequence[str]) -> Encoded:
         cut = [len(t) > self.max_text_chars for t in texts]
         if any(cut):
             texts = [t[: self.max_text_chars] for t in texts]
+        if self.prompt:
+            texts = [self.prompt + t for t in texts]
         encs = self._tok.encode_batch(list(texts)) if len(texts) > 1 else [self._tok.encode(texts[0])]
         return Encoded(
             ids=[e.ids for e in encs],
@@ -91,7 +100,7 @@ class QueryTokenizer:
             input_ids[row, : len(seq)] = seq
             mask[row, : len(seq)] = 1
         types = np.zeros_like(input_ids) if self.with_token_type_ids else None
-        return TokenBatch(input_ids, mask, types)
+        return TokenBatch(input_ids, mask, types, self.pool_skip)
 
     def bucketed(self, encoded: Encoded) -> list[tuple[list[int], TokenBatch]]:
         """One (original indices, batch) pair per bucket present in `encoded`."""

@@ -21,9 +21,9 @@ import numpy as np
 from pydantic import BaseModel
 
 from inference.errors import InvalidInput, Unavailable
+from inference.head import Head
 from inference.lifecycle import terminate
 from inference.manifest import load_manifest
-from inference.pooling import pool
 from inference.ports import free_port
 
 
@@ -48,6 +48,7 @@ def create_app(model_dir: Path, *, variant: str = "fp32", threads: int = 0) -> A
     sess = make_session(model_dir / manifest.variant(variant).file, threads)
     input_names = {i.name for i in sess.get_inputs()}
     model_id = manifest.variant_id(variant)
+    head = Head.from_manifest(model_dir, manifest)
 
     app = FastAPI(title="embedcar naive baseline")
 
@@ -65,7 +66,7 @@ def create_app(model_dir: Path, *, variant: str = "fp32", threads: int = 0) -> A
         mask = np.array([e.attention_mask for e in encs], dtype=np.int64)
         feed = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
         hidden = sess.run(["last_hidden_state"], {k: v for k, v in feed.items() if k in input_names})[0]
-        emb = pool(np.asarray(hidden), mask, manifest.pooling, input_ids=ids, special_ids=manifest.special_ids)
+        emb = head(np.asarray(hidden), mask, input_ids=ids)
         n_tokens = int(mask.sum())
         return {
             "object": "list",

@@ -135,7 +135,7 @@ def _remote_target(spec: TargetSpec, args: argparse.Namespace, settings: Setting
     if spec.target == "stub":
         return StubTarget()
     if spec.target == "infinity":
-        served = args.infinity_model or f"{settings.model.name}-{settings.model.variant}"
+        served = args.infinity_model or f"{settings.model.name}-{settings.model.served_variant()}"
         return HttpEmbedTarget(args.infinity_url, name="infinity", path="/embeddings", model=served)
     if spec.target == "inprocess":
         return InProcessTarget.for_model(settings.model)
@@ -146,7 +146,7 @@ def _remote_target(spec: TargetSpec, args: argparse.Namespace, settings: Setting
 def main(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     settings = Settings.load(overrides=flag_overrides(args))
-    variant = settings.model.variant
+    variant = settings.model.served_variant()
     specs = _specs(args)
     config = RunConfig(rate=args.rate, duration_s=args.duration, warmup_s=args.warmup, batch=args.batch,
                        concurrency=args.concurrency, deadline_ms=args.deadline_ms, arrivals=args.arrivals,

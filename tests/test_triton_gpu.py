@@ -7,6 +7,8 @@ skip and say which of these is missing. The engine cache logic itself is tested 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import shutil
 import stat
@@ -112,15 +114,9 @@ def _ready(http_port: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def gpu_triton(settings: Settings, manifest: Manifest, model_dir: Path,
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    reason = gpu_missing()
-    if reason:
-        pytest.skip(reason)
-    if "fp16" not in manifest.variants:
-        pytest.skip("the model has no fp16 variant")
-    tmp = tmp_path_factory.mktemp("gpu")
+@contextlib.contextmanager
+def _gpu_server(settings: Settings, manifest: Manifest, model_dir: Path, tmp: Path) -> Iterator[str]:
+    """A full tritonserver on the GPU repository of `model_dir`'s fp16 variant (engine built or reused)."""
     repo = generate_repository(settings, manifest, model_dir, out_dir=tmp / "repo", target="gpu", variant="fp16")
     engine = build_engine(model_dir / manifest.variants["fp16"].file, tmp / "engines", inputs=manifest.inputs,
                           trtexec=_trtexec())
@@ -146,6 +142,18 @@ def gpu_triton(settings: Settings, manifest: Manifest, model_dir: Path,
         os.killpg(proc.pid, 15)
         proc.wait(30)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def gpu_triton(settings: Settings, manifest: Manifest, model_dir: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    reason = gpu_missing()
+    if reason:
+        pytest.skip(reason)
+    if "fp16" not in manifest.variants:
+        pytest.skip("the model has no fp16 variant")
+    with _gpu_server(settings, manifest, model_dir, tmp_path_factory.mktemp("gpu")) as url:
+        yield url
 
 
 @pytest.mark.gpu
@@ -175,3 +183,36 @@ async def test_tensorrt_ensemble_matches_embedded(gpu_triton: str, manifest: Man
         assert stats["encoder"]["success_count"] > 0
     finally:
         await b.close()
+
+
+@pytest.mark.gpu
+async def test_a_modernbert_folder_builds_a_tensorrt_engine_and_serves(settings: Settings, tmp_path: Path) -> None:
+    """The reference deployment's architecture from a user's folder: a tiny ModernBERT (local sliding
+    window shorter than the texts, no token_type_ids) prepared, its fp16 engine built, served by the
+    GPU ensemble, and agreeing with sentence-transformers; padded rows whose local window is all
+    padding must not turn the batch's vectors into NaN (the head pools with a select)."""
+    reason = gpu_missing()
+    if reason:
+        pytest.skip(reason)
+    from inference.embedder import load_tokenizer
+    from inference.prepare import prepare_model
+    from tests.fixtures_models import st_reference, tiny_st_folder
+
+    src = tiny_st_folder(tmp_path / "st", "modernbert", pooling="mean", prompts={"query": "query: "})
+    m = prepare_model(tmp_path / "models", "mine", from_dir=src, say=lambda _m: None)
+    assert "fp16" in m.variants and "token_type_ids" not in m.inputs
+    s = dataclasses.replace(settings, model=dataclasses.replace(settings.model, models_dir=tmp_path / "models",
+                                                                   name="mine", variant="fp16"))
+    texts = ["milk", "organic gluten free pasta sauce family size under 5 dollars with wireless headphones"]
+    with _gpu_server(s, m, tmp_path / "models" / "mine", tmp_path) as url:
+        b = TritonBackend([url], m, variant="fp16", timeout_s=30.0)
+        await b.start()
+        try:
+            tok = load_tokenizer(tmp_path / "models" / "mine", m)
+            got = await b.embed(tok.batch(tok.encode(texts).ids, length=64))
+        finally:
+            await b.close()
+    ref = st_reference(src, texts, "query: ")
+    ref = ref / np.linalg.norm(ref, axis=1, keepdims=True)
+    assert np.isfinite(got).all()
+    assert float(np.min(np.sum(got * ref, axis=1))) >= 0.999

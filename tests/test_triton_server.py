@@ -171,7 +171,7 @@ async def test_batch_over_max_is_invalid_input(triton_server: TritonServer, mani
     with pytest.raises(InvalidInput, match="over the backend maximum"):
         await backend.embed(big)
     # The server enforces its own max_batch_size too, mapped to the same error type.
-    loose = TritonBackend([triton_server.grpc_url], manifest, max_batch=1000, timeout_s=10.0)
+    loose = TritonBackend([triton_server.grpc_url], manifest, variant="fp32", max_batch=1000, timeout_s=10.0)
     await loose.start()
     try:
         with pytest.raises(InvalidInput):
@@ -320,7 +320,7 @@ def test_unrunnable_binary_is_one_clear_line(tmp_path: Path) -> None:
 
 
 async def test_start_without_server_is_unavailable(manifest: Manifest) -> None:
-    b = TritonBackend([f"127.0.0.1:{free_port()}"], manifest, timeout_s=1.0)
+    b = TritonBackend([f"127.0.0.1:{free_port()}"], manifest, variant="fp32", timeout_s=1.0)
     try:
         with pytest.raises(Unavailable):
             await b.start()
@@ -332,7 +332,7 @@ async def test_start_without_server_is_unavailable(manifest: Manifest) -> None:
 async def test_dead_url_is_steered_around(triton_server: TritonServer, manifest: Manifest,
                                           tokenizer: QueryTokenizer) -> None:
     dead = f"127.0.0.1:{free_port()}"
-    b = TritonBackend([dead, triton_server.grpc_url], manifest, timeout_s=5.0)
+    b = TritonBackend([dead, triton_server.grpc_url], manifest, variant="fp32", timeout_s=5.0)
     await b.start()
     try:
         batch = tokenizer.batch(tokenizer.encode(["rice"]).ids)

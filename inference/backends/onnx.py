@@ -13,8 +13,8 @@ import numpy as np
 
 from inference.backends.base import Backend, Embeddings
 from inference.errors import Internal, InvalidInput, ModelError
+from inference.head import Head
 from inference.manifest import Manifest
-from inference.pooling import pool
 from inference.tokenizer import TokenBatch
 
 
@@ -55,6 +55,7 @@ class OnnxBackend(Backend):
         self._spin_us = spin_us
         self.version_id = manifest.variant_id(self.variant_name)
         self.dim = manifest.dim
+        self.head = Head.from_manifest(model_dir, manifest)
         self.max_batch = max_batch
         self._sess: Any = None
         self._inputs: tuple[str, ...] = ()
@@ -108,8 +109,7 @@ class OnnxBackend(Backend):
 
     def embed_sync(self, batch: TokenBatch) -> Embeddings:
         hidden = self.hidden_sync(batch)
-        return pool(hidden, batch.attention_mask, self.manifest.pooling,
-                    input_ids=batch.input_ids, special_ids=self.manifest.special_ids)
+        return self.head(hidden, batch.attention_mask, input_ids=batch.input_ids, skip=batch.pool_skip)
 
     async def embed(self, batch: TokenBatch, *, timeout_s: float | None = None) -> Embeddings:
         fut = asyncio.get_running_loop().run_in_executor(self._executor, self.embed_sync, batch)

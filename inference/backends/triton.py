@@ -41,6 +41,8 @@ OUTPUT = "embedding"
 # across hosts this needs synchronised clocks: docs/scale.md).
 DEADLINE_PARAM = "embedcar_deadline_ns"
 EXPIRED = "request timeout expired before the encoder ran"
+# Leading tokens the pooling leaves out (a prompt the model pools without): sent only when not 0.
+POOL_SKIP_PARAM = "embedcar_pool_skip"
 
 
 def map_error(exc: Exception, url: str) -> EmbedcarError:
@@ -244,6 +246,8 @@ class TritonBackend(Backend):
         # has a queue policy (the GPU encoder), the wall-clock deadline where the model checks it.
         req.parameters["timeout"].int64_param = int(timeout_s * 1_000_000)
         req.parameters[DEADLINE_PARAM].int64_param = time.time_ns() + int(timeout_s * 1e9)
+        if batch.pool_skip:
+            req.parameters[POOL_SKIP_PARAM].int64_param = batch.pool_skip
         return req
 
     @staticmethod

@@ -200,7 +200,7 @@ class TritonServer:
                  log_file: Path | None = None, extra_args: Sequence[str] = ()) -> None:
         self.settings = settings
         self.extra_args = list(extra_args)  # more tritonserver flags, e.g. tracing for a benchmark
-        self.variant = variant or settings.model.variant
+        self.variant = variant or settings.model.served_variant()
         self.host = settings.triton.host
         # 0/None = chosen by start(), right before Popen (a port picked earlier can be gone by then).
         self.grpc_port = grpc_port or 0

@@ -28,6 +28,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from inference.errors import InvalidInput, ModelError
 from inference.files import atomic_write_text
+from inference.head import head_params
 from inference.manifest import Manifest
 from inference.settings import Settings
 
@@ -113,9 +114,9 @@ def pooled_in_encoder(settings: Settings, target: str) -> bool:
     return target == "cpu" and settings.triton.cpu_pooling == "fused"
 
 
-def _pooling_params(cfg: mc.ModelConfig, manifest: Manifest) -> None:
-    _param(cfg, "mode", manifest.pooling)
-    _param(cfg, "special_ids", ",".join(str(i) for i in manifest.special_ids))
+def _head_params(cfg: mc.ModelConfig, manifest: Manifest, model_dir: Path) -> None:
+    for key, value in head_params(model_dir, manifest).items():
+        _param(cfg, key, value)
 
 
 def _ids_type(target: str) -> int:
@@ -130,7 +131,7 @@ def encoder_config(settings: Settings, manifest: Manifest, model_dir: Path, *, t
     cfg = mc.ModelConfig(name=ENCODER, max_batch_size=t.max_batch_size)
     for name in manifest.inputs:
         cfg.input.add(name=name, data_type=_ids_type(target), dims=[-1])
-    cfg.output.add(name=HIDDEN, data_type=mc.TYPE_FP32, dims=[-1, manifest.dim])
+    cfg.output.add(name=HIDDEN, data_type=mc.TYPE_FP32, dims=[-1, manifest.encoder_width])
     _batching(cfg, settings, t.max_queue_delay_us, queue_timeouts=target == "gpu")
     if target == "gpu":
         cfg.platform = "tensorrt_plan"
@@ -149,13 +150,14 @@ def encoder_config(settings: Settings, manifest: Manifest, model_dir: Path, *, t
     if pooled_in_encoder(settings, target):
         # Both outputs stay available; the stub computes only those a request asks for.
         cfg.output.add(name=OUTPUT, data_type=mc.TYPE_FP32, dims=[manifest.dim])
-        _pooling_params(cfg, manifest)
+        _head_params(cfg, manifest, model_dir)
     return cfg
 
 
-def pooling_config(settings: Settings, manifest: Manifest, *, target: str, sys_path: list[str]) -> mc.ModelConfig:
+def pooling_config(settings: Settings, manifest: Manifest, model_dir: Path, *, target: str,
+                   sys_path: list[str]) -> mc.ModelConfig:
     cfg = mc.ModelConfig(name=POOLING, backend="python", max_batch_size=settings.triton.max_batch_size)
-    cfg.input.add(name=HIDDEN, data_type=mc.TYPE_FP32, dims=[-1, manifest.dim])
+    cfg.input.add(name=HIDDEN, data_type=mc.TYPE_FP32, dims=[-1, manifest.encoder_width])
     cfg.input.add(name="attention_mask", data_type=_ids_type(target), dims=[-1])
     if manifest.pooling == "mean_excluding_special":
         cfg.input.add(name="input_ids", data_type=_ids_type(target), dims=[-1])
@@ -163,7 +165,7 @@ def pooling_config(settings: Settings, manifest: Manifest, *, target: str, sys_p
     # Pooling is cheap and runs per request; queue delay 0 = take what is queued, never wait.
     _batching(cfg, settings, 0, queue_timeouts=False)
     cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
-    _pooling_params(cfg, manifest)
+    _head_params(cfg, manifest, model_dir)
     _param(cfg, "sys_path", os.pathsep.join(sys_path))
     return cfg
 
@@ -233,7 +235,7 @@ def generate_repository(settings: Settings, manifest: Manifest, model_dir: Path,
     configs = {ENCODER: encoder_config(settings, manifest, model_dir, target=target, variant=variant,
                                        sys_path=sys_path)}
     if not fused:
-        configs[POOLING] = pooling_config(settings, manifest, target=target, sys_path=sys_path)
+        configs[POOLING] = pooling_config(settings, manifest, model_dir, target=target, sys_path=sys_path)
     configs[ENSEMBLE] = ensemble_config(settings, manifest, target=target, variant=variant)
     for name, cfg in configs.items():
         _write_if_changed(repo / name / "config.pbtxt", render(cfg))

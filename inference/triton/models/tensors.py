@@ -8,6 +8,7 @@ itself, so tensors cross through it, with either numpy.
 from __future__ import annotations
 
 import ctypes
+import json
 from typing import Any
 
 import numpy as np
@@ -39,3 +40,12 @@ def output(name: str, array: npt.NDArray[Any]) -> Any:
     tensor = pb_utils.Tensor.from_dlpack(name, capsule)
     _set_capsule_name(capsule, _CONSUMED)
     return tensor
+
+
+def int_param(request: Any, name: str) -> int:
+    """The request's integer parameter `name`; 0 when it carries none (most requests)."""
+    raw = request.parameters()  # a JSON object as text
+    if name not in raw:
+        return 0
+    value = json.loads(raw).get(name)
+    return value if isinstance(value, int) else 0

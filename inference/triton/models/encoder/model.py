@@ -2,9 +2,10 @@
 
 Copied into <repo>/encoder/1/model.py by `embedcar triton repo --target cpu`. Runs inside the
 backend stub's own Python: the project and venv paths come from the `sys_path` config parameter.
-With fused pooling (the config has a `mode` parameter) it can also emit `embedding`, pooled here
-by `inference.pooling.pool` (the function every backend uses), which saves the ensemble a second
-Python-backend hop; it computes only the outputs a request asks for.
+With fused pooling (the config has a `mode` parameter) it can also emit `embedding`, made here
+by the model's head (inference/head.py: pooling, Dense layers, normalisation; what every backend
+uses), which saves the ensemble a second Python-backend hop; it computes only the outputs a request
+asks for.
 
 A request whose caller's deadline (the backend's wall-clock parameter) passed while it queued is
 answered with an error instead of computed: Triton's own queue timeouts would do this, but any
@@ -64,18 +65,17 @@ class TritonPythonModel:
         opts.log_severity_level = 3
         self.sess: Any = ort.InferenceSession(params["onnx_path"], opts, providers=["CPUExecutionProvider"])
         self.inputs = [i.name for i in self.sess.get_inputs()]
-        self.pool: Any = None
+        self.head: Any = None
         if "mode" in params:
-            from inference.pooling import params_from_config, pool
+            from inference.head import from_params
 
-            self.pool = pool
-            self.mode, self.special_ids = params_from_config(params)
+            self.head = from_params(params)
         from inference import heap
-        from inference.backends.triton import DEADLINE_PARAM, EXPIRED
+        from inference.backends.triton import DEADLINE_PARAM, EXPIRED, POOL_SKIP_PARAM
         from inference.triton.models import tensors
 
         self.tensors = tensors
-        self.deadline_param, self.expired = DEADLINE_PARAM, EXPIRED
+        self.deadline_param, self.expired, self.skip_param = DEADLINE_PARAM, EXPIRED, POOL_SKIP_PARAM
         self.expired_family, self.expired_count = expired_counter()
         heap.settle()  # the stub is this model's own process: no full collection pauses its requests
 
@@ -85,10 +85,10 @@ class TritonPythonModel:
         if "last_hidden_state" in wanted:
             out.append(self.tensors.output("last_hidden_state", hidden))
         if "embedding" in wanted:
-            if self.pool is None:
+            if self.head is None:
                 raise ValueError("this encoder was configured without pooling")
-            emb = self.pool(hidden, feed["attention_mask"], self.mode, input_ids=feed["input_ids"],
-                            special_ids=self.special_ids)
+            emb = self.head(hidden, feed["attention_mask"], input_ids=feed["input_ids"],
+                            skip=self.tensors.int_param(request, self.skip_param))
             out.append(self.tensors.output("embedding", emb))
         return out
 

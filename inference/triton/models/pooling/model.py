@@ -1,7 +1,8 @@
-"""Triton Python-backend `pooling`: last_hidden_state + mask -> L2-normalised embedding.
+"""Triton Python-backend `pooling`: last_hidden_state + mask -> the model's embedding.
 
-Copied into <repo>/pooling/1/model.py. It calls `inference.pooling.pool`, the same function the
-embedded backend uses, so both backends agree; the mode comes from the model's manifest.
+Copied into <repo>/pooling/1/model.py. It runs the model's head (inference/head.py: pooling, Dense
+layers, normalisation), the same code the embedded backend uses, so both backends agree; the head
+comes from the model's manifest through the config's parameters.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ def config_params(args: dict[str, str]) -> dict[str, str]:
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         params = config_params(args)
-        from inference.pooling import params_from_config, pool
+        from inference.backends.triton import POOL_SKIP_PARAM
+        from inference.head import from_params
         from inference.triton.models import tensors
 
-        self.pool: Any = pool
+        self.head: Any = from_params(params)
         self.tensors = tensors
-        self.mode, self.special_ids = params_from_config(params)
+        self.skip_param = POOL_SKIP_PARAM
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
@@ -42,7 +44,7 @@ class TritonPythonModel:
                 mask = self.tensors.to_numpy(pb_utils.get_input_tensor_by_name(req, "attention_mask"))
                 ids_t = pb_utils.get_input_tensor_by_name(req, "input_ids")
                 ids = self.tensors.to_numpy(ids_t) if ids_t is not None else None
-                emb = self.pool(hidden, mask, self.mode, input_ids=ids, special_ids=self.special_ids)
+                emb = self.head(hidden, mask, input_ids=ids, skip=self.tensors.int_param(req, self.skip_param))
                 out = self.tensors.output("embedding", emb)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
             except Exception as exc:
