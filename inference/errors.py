@@ -41,6 +41,10 @@ class InvalidInput(EmbedcarError):
     """The caller sent something we cannot embed or search (empty batch, too long, bad type)."""
 
 
+class UnknownModel(InvalidInput):
+    """A request named a model this server does not serve (HTTP 404, as OpenAI's API answers it)."""
+
+
 class PayloadTooLarge(InvalidInput):
     """A request body over the configured size (the HTTP facade's check; gRPC refuses one itself)."""
 
@@ -89,6 +93,7 @@ ERROR_CODES: dict[type[EmbedcarError], ErrorCode] = {
     DeadlineExceeded: ErrorCode("DEADLINE_EXCEEDED", 504, "deadline_exceeded"),
     Unavailable: ErrorCode("UNAVAILABLE", 503, "unavailable"),
     NotFound: ErrorCode("NOT_FOUND", 404, "not_found"),
+    UnknownModel: ErrorCode("INVALID_ARGUMENT", 404, "model_not_found"),
     # HTTP 400 after Google's API mapping: the call cannot work in the system's present state.
     FailedPrecondition: ErrorCode("FAILED_PRECONDITION", 400, "failed_precondition"),
     # Broken model files are the server's fault, not the caller's.

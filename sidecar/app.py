@@ -22,21 +22,19 @@ from grpc_health.v1._async import HealthServicer
 
 from inference import heap
 from inference.backends.base import Backend
-from inference.backends.factory import make_backend
-from inference.embedder import load_tokenizer
 from inference.errors import EmbedcarError, InvalidInput, Unavailable
-from inference.manifest import load_manifest
+from inference.manifest import Manifest
 from inference.ports import listen_tcp
-from inference.tokenizer import TokenBatch
+from inference.tokenizer import QueryTokenizer
 from sidecar.admission import Admission
 from sidecar.auth import KeyRing, check_bind
-from sidecar.batcher import MicroBatcher
 from sidecar.cache import EmbeddingCache
 from sidecar.grpc_server import SERVICE, EmbedderServicer, create_server, health_status
 from sidecar.metrics import Metrics
+from sidecar.models import FALLBACK, ModelSet, ServedModel, build_model, served_names
 from sidecar.pipeline import EmbedPipeline
 from sidecar.ratelimit import RateLimiter
-from sidecar.scheduler import BackendHealth, DirectScheduler, FallbackScheduler, Scheduler
+from sidecar.scheduler import BackendHealth, FallbackScheduler
 from sidecar.search_index import IndexHolder
 from sidecar.service import EmbedService
 from sidecar.settings import Settings
@@ -51,13 +49,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-FALLBACK = "embedded-fallback"  # how replies and metrics name the fallback when it answered
-
-
 class Sidecar:
     def __init__(self, settings: Settings, *, backend: Backend | None = None,
                  index: ProductIndex | None = None, settle_heap: bool = False) -> None:
-        """`settle_heap`: this sidecar owns its process (`sidecar serve`, the demo): once started, and
+        """`backend` / `index`: given objects for the default model (tests, benchmarks).
+
+        `settle_heap`: this sidecar owns its process (`sidecar serve`, the demo): once started, and
         after each index load, it freezes the heap out of the garbage collector's full collections
         (inference.heap). Off for a sidecar embedded in another program, whose heap is not its own."""
         s = settings.sidecar
@@ -67,30 +64,16 @@ class Sidecar:
         self.settings = settings
         self.keys = KeyRing.from_settings(s)
         check_bind(s.host, self.keys)
-        model_dir = settings.model.model_dir
-        self.manifest = load_manifest(model_dir)
-        self._owns_backend = backend is None
-        self.backend = backend if backend is not None else make_backend(settings, s.backend)
-        self.tokenizer = load_tokenizer(model_dir, self.manifest, max_text_chars=settings.model.truncate_text_chars)
         self.metrics = Metrics()
-        hosts = max(1, len(settings.triton.urls)) if self.backend.batches_itself else 1
-        self.admission = Admission(max_outstanding_items=(s.max_pending_batches + 1) * s.max_rows_per_pass * hosts,
-                                   budget_s=s.admission_budget_ms / 1e3, lanes=self.backend.lanes)
-        self.cache = EmbeddingCache(self.backend.version_id, s.cache_entries, s.cache_ttl_s)
-        self.health = BackendHealth(self.metrics)
-        self.scheduler = FallbackScheduler(self._scheduler_for(self.backend), self._fallback(), self.health)
-        self.index = IndexHolder(index, index_root=s.index_dir, expected_model_id=self.backend.version_id,
-                                 poll_s=s.index_poll_s, catalog=settings.catalog,
-                                 on_load=self._index_loaded if settle_heap else None)
-        self.pipeline = EmbedPipeline(
-            tokenizer=self.tokenizer, lowercase=self.manifest.lowercase, cache=self.cache, admission=self.admission,
-            scheduler=self.scheduler, metrics=self.metrics, dim=self.backend.dim,
-            max_batch=min(settings.model.max_texts_per_call,
-                          self.backend.max_batch if self.backend.max_batch > 0 else 256),
-            max_chars=s.max_text_chars, max_items_per_call=s.max_rows_per_pass)
-        self.service = EmbedService(self.pipeline, model=self.backend.version_id, keys=self.keys,
-                                    limiter=RateLimiter(s.rate_per_s, s.burst), metrics=self.metrics,
-                                    default_deadline_s=s.default_deadline_ms / 1e3, max_k=s.max_k, index=self.index)
+        on_load = self._index_loaded if settle_heap else None
+        names = served_names(settings)
+        self.models = ModelSet([
+            build_model(settings, name, self.metrics, backend=backend if i == 0 else None,
+                        index=index if i == 0 else None, on_index_load=on_load)
+            for i, name in enumerate(names)])
+        self.service = EmbedService(self.models, keys=self.keys, limiter=RateLimiter(s.rate_per_s, s.burst),
+                                    metrics=self.metrics, default_deadline_s=s.default_deadline_ms / 1e3,
+                                    max_k=s.max_k)
         self.grpc_port = 0
         self.uds: UnixSocket | None = None
         self.http_port: int | None = None
@@ -101,7 +84,51 @@ class Sidecar:
         self._http_task: asyncio.Task[None] | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._probe = self._probe_batch()
+
+    # The default (first) model's parts, for callers that serve one model.
+    @property
+    def model(self) -> ServedModel:
+        return self.models.default
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.model.manifest
+
+    @property
+    def backend(self) -> Backend:
+        return self.model.backend
+
+    @property
+    def tokenizer(self) -> QueryTokenizer:
+        return self.model.tokenizer
+
+    @property
+    def cache(self) -> EmbeddingCache:
+        return self.model.cache
+
+    @property
+    def admission(self) -> Admission:
+        return self.model.admission
+
+    @property
+    def health(self) -> BackendHealth:
+        return self.model.health
+
+    @property
+    def scheduler(self) -> FallbackScheduler:
+        return self.model.scheduler
+
+    @property
+    def index(self) -> IndexHolder:
+        return self.model.index
+
+    @property
+    def pipeline(self) -> EmbedPipeline:
+        return self.model.pipeline
+
+    @property
+    def fallback(self) -> Backend | None:
+        return self.model.fallback
 
     @property
     def grpc_target(self) -> str:
@@ -112,41 +139,10 @@ class Sidecar:
         """`unix:/abs/path` of the Unix socket gRPC also listens on, or None (sidecar.uds_path unset)."""
         return self.uds.target if self.uds is not None else None
 
-    def _model_file_present(self) -> bool:
-        m = self.settings.model
-        try:
-            return (m.model_dir / self.manifest.variant(m.variant).file).is_file()
-        except Exception:  # an unknown variant: the backend itself reports it
-            return False
-
-    def _scheduler_for(self, backend: Backend, label: str | None = None) -> Scheduler:
-        """Triton batches itself: straight through. The embedded model does not: the micro-batcher."""
-        s = self.settings.sidecar
-        if backend.batches_itself:
-            return DirectScheduler(backend, self.tokenizer, self.metrics)
-        return MicroBatcher(backend, self.tokenizer, max_items=s.max_rows_per_pass, wait_us=s.batch_wait_us,
-                            admission=self.admission, metrics=self.metrics, label=label, inline=s.inline_forward)
-
-    def _fallback(self) -> Scheduler | None:
-        """While Triton is down the sidecar still holds the model: answer with it rather than fail."""
-        s = self.settings.sidecar
-        if not self.backend.batches_itself or not s.embedded_fallback or not self._model_file_present():
-            return None
-        return self._scheduler_for(make_backend(self.settings, "embedded"), FALLBACK)
-
-    @property
-    def fallback(self) -> Backend | None:
-        f = self.scheduler.fallback
-        return f.backend if f is not None else None
-
     @property
     def can_answer(self) -> bool:
-        """The backend is up, or the embedded fallback stands in for it."""
-        return self.health.up or self.scheduler.fallback is not None
-
-    def _probe_batch(self) -> TokenBatch:
-        enc = self.tokenizer.encode(["health probe"])
-        return self.tokenizer.batch(enc.ids)
+        """Every served model's backend is up, or its embedded fallback stands in for it."""
+        return all(m.can_answer for m in self.models)
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -167,23 +163,20 @@ class Sidecar:
         await self._grpc.start()
         if s.http_port >= 0:
             await self._start_http(s.host, s.http_port, s.max_message_bytes)
-        if not self.backend.ready():
-            await self.backend.start()
-        await self._calibrate()
-        if self.fallback is not None:
-            await self.fallback.start()  # loaded and warm before it is needed
-        self.scheduler.start()
+        for m in self.models:
+            await m.start()
+            m.health.on_down = lambda: self._spawn(self._set_health(self.can_answer))
         loop = asyncio.get_running_loop()
-        self.health.on_down = lambda: self._spawn(self._set_health(self.can_answer))
-        await self.index.start()
         if s.warm_queries_file is not None:
             await self.warm_cache(s.warm_queries_file)
         if self._settle_heap:
             self._settle()
-        self.health.mark(True)
+        for m in self.models:
+            m.health.mark(True)
         await self._set_health(True)
         self._monitor = loop.create_task(self._watch_backend(), name="backend-health")
-        log.info("sidecar serving model %s on grpc %s:%d%s, http %s", self.service.model, s.host, self.grpc_port,
+        log.info("sidecar serving %s on grpc %s:%d%s, http %s", ", ".join(m.version_id for m in self.models), s.host,
+                 self.grpc_port,
                  f" and {self.uds.path}" if self.uds is not None else "",
                  self.http_port if self.http_port is not None else "off")
 
@@ -216,12 +209,8 @@ class Sidecar:
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(self._http_task, grace + 1)
             self._http = self._http_task = None
-        await self.scheduler.close()
-        if self.fallback is not None:
-            await self.fallback.close()
-        await self.index.close()
-        if self._owns_backend:
-            await self.backend.close()
+        for m in self.models:
+            await m.close()
         if self._unwatch_gc is not None:
             self._unwatch_gc()
             self._unwatch_gc = None
@@ -253,23 +242,6 @@ class Sidecar:
         if self._http_task.done():
             self._http_task.result()
 
-    async def _calibrate(self) -> None:
-        """Seed the admission cost model with two timed calls, so the first requests are judged fairly."""
-        samples = []
-        for batch in (self._probe, self._probe_large()):
-            best = float("inf")
-            for _ in range(3):  # the first call of a new shape pays for ORT's allocations
-                t0 = time.perf_counter()
-                await self.backend.embed(batch, timeout_s=30.0)
-                best = min(best, time.perf_counter() - t0)
-            samples.append((int(batch.input_ids.size), best))
-        self.admission.calibrate(samples[0], samples[1])
-
-    def _probe_large(self) -> TokenBatch:
-        rows = min(8, self.settings.sidecar.max_rows_per_pass, self.backend.max_batch)
-        length = self.tokenizer.buckets[min(2, len(self.tokenizer.buckets) - 1)]
-        return self.tokenizer.batch(self._probe.input_ids[:1, :3].tolist() * rows, length=length)
-
     async def warm_cache(self, path: Path) -> int:
         """Pre-load the cache with the queries in `path` (one per line); returns how many."""
         try:
@@ -279,7 +251,9 @@ class Sidecar:
             raise InvalidInput(f"cannot read warm queries file {path}: {exc.strerror}") from exc
         step = self.settings.sidecar.max_rows_per_pass
         for i in range(0, len(queries), step):
-            await self.service.embed(queries[i:i + step], authenticated=True, deadline=time.monotonic() + 60)
+            for m in self.models:
+                await self.service.embed(queries[i:i + step], model=m.name, authenticated=True,
+                                         deadline=time.monotonic() + 60)
         log.info("cache warmed with %d queries", len(queries))
         return len(queries)
 
@@ -296,21 +270,22 @@ class Sidecar:
         task.add_done_callback(self._tasks.discard)
 
     async def _watch_backend(self) -> None:
-        """While up: trust the backend's ready(). While down: probe it until it answers again."""
+        """While up: trust each backend's ready(). While down: probe it until it answers again."""
         poll = self.settings.sidecar.health_poll_s
         while True:
             await asyncio.sleep(poll)
-            if self.health.up:
-                if not self.backend.ready():
-                    self.health.mark(False)
-            else:
+            for m in self.models:
+                if m.health.up:
+                    if not m.backend.ready():
+                        m.health.mark(False)
+                    continue
                 try:
-                    await self.backend.embed(self._probe, timeout_s=max(poll * 2, 0.5))
+                    await m.backend.embed(m.probe_batch(), timeout_s=max(poll * 2, 0.5))
                 except EmbedcarError:
                     pass
                 else:
-                    self.health.mark(True)
-                    log.info("backend %s is back", self.backend.name)
+                    m.health.mark(True)
+                    log.info("backend %s of %s is back", m.backend.name, m.name)
             if self.can_answer != self.serving:
                 await self._set_health(self.can_answer)
 

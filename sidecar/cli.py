@@ -20,7 +20,7 @@ log = logging.getLogger("sidecar")
 def add_sidecar_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     add_flags(p, "triton", TritonSettings, "urls")
-    add_flags(p, "sidecar", SidecarSettings, "host", "grpc_port", "uds_path", "http_port", "backend",
+    add_flags(p, "sidecar", SidecarSettings, "models", "host", "grpc_port", "uds_path", "http_port", "backend",
               "index_dir", "api_keys_file", "warm_queries_file", "cache_entries")
 
 

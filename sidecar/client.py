@@ -81,14 +81,14 @@ def decode_search(reply: pb.SearchReply) -> SearchResult:
                         reply.backend)
 
 
-def embed_request(texts: Sequence[str], float16: bool) -> pb.EmbedRequest:
-    return pb.EmbedRequest(texts=list(texts), float16=float16)
+def embed_request(texts: Sequence[str], float16: bool, model: str | None = None) -> pb.EmbedRequest:
+    return pb.EmbedRequest(texts=list(texts), float16=float16, model=model or "")
 
 
 def search_request(texts: Sequence[str], k: int, department: str | None, aisle: str | None,
-                   mode: SearchMode | str = SearchMode.SEMANTIC) -> pb.SearchRequest:
+                   mode: SearchMode | str = SearchMode.SEMANTIC, model: str | None = None) -> pb.SearchRequest:
     return pb.SearchRequest(texts=list(texts), k=k, department=department or "", aisle=aisle or "",
-                            mode=parse_mode(mode).name)  # the enum label, e.g. "HYBRID"
+                            mode=parse_mode(mode).name, model=model or "")  # the enum label, e.g. "HYBRID"
 
 
 def map_rpc_error(exc: grpc.RpcError) -> EmbedcarError:
@@ -236,24 +236,24 @@ class AsyncClient(_Calls):
         super().__init__(target, api_key, grpc.aio.insecure_channel(target, options=_OPTIONS))
         self._session = StreamSession(self._stub, self._metadata) if stream else None
 
-    async def embed(self, texts: Sequence[str], *, float16: bool = False,
+    async def embed(self, texts: Sequence[str], *, float16: bool = False, model: str | None = None,
                     timeout_s: float | None = None) -> EmbedResult:
+        req = embed_request(texts, float16, model)
         if self._session is not None:
-            reply = await self._session.request(pb.StreamRequest(embed=embed_request(texts, float16)), timeout_s)
+            reply = await self._session.request(pb.StreamRequest(embed=req), timeout_s)
             return decode_embed(reply.embed)
         with RPC_ERRORS:
-            reply = await self._stub.Embed(embed_request(texts, float16), timeout=timeout_s, metadata=self._metadata)
+            reply = await self._stub.Embed(req, timeout=timeout_s, metadata=self._metadata)
         return decode_embed(reply)
 
     async def search(self, texts: Sequence[str], *, k: int = 10, department: str | None = None,
                      aisle: str | None = None, mode: SearchMode | str = SearchMode.SEMANTIC,
-                     timeout_s: float | None = None) -> SearchResult:
+                     model: str | None = None, timeout_s: float | None = None) -> SearchResult:
+        req = search_request(texts, k, department, aisle, mode, model)
         if self._session is not None:
-            req = pb.StreamRequest(search=search_request(texts, k, department, aisle, mode))
-            return decode_search((await self._session.request(req, timeout_s)).search)
+            return decode_search((await self._session.request(pb.StreamRequest(search=req), timeout_s)).search)
         with RPC_ERRORS:
-            reply = await self._stub.Search(search_request(texts, k, department, aisle, mode), timeout=timeout_s,
-                                            metadata=self._metadata)
+            reply = await self._stub.Search(req, timeout=timeout_s, metadata=self._metadata)
         return decode_search(reply)
 
     async def close(self) -> None:
@@ -273,16 +273,18 @@ class Client(_Calls):
     def __init__(self, target: str, *, api_key: str | None = None) -> None:
         super().__init__(target, api_key, grpc.insecure_channel(target, options=_OPTIONS))
 
-    def embed(self, texts: Sequence[str], *, float16: bool = False, timeout_s: float | None = None) -> EmbedResult:
+    def embed(self, texts: Sequence[str], *, float16: bool = False, model: str | None = None,
+              timeout_s: float | None = None) -> EmbedResult:
+        """`model`: a served model's name or version id (None = the sidecar's default)."""
         with RPC_ERRORS:
-            reply = self._stub.Embed(embed_request(texts, float16), timeout=timeout_s, metadata=self._metadata)
+            reply = self._stub.Embed(embed_request(texts, float16, model), timeout=timeout_s, metadata=self._metadata)
         return decode_embed(reply)
 
     def search(self, texts: Sequence[str], *, k: int = 10, department: str | None = None,
-               aisle: str | None = None, mode: SearchMode | str = SearchMode.SEMANTIC,
+               aisle: str | None = None, mode: SearchMode | str = SearchMode.SEMANTIC, model: str | None = None,
                timeout_s: float | None = None) -> SearchResult:
         with RPC_ERRORS:
-            reply = self._stub.Search(search_request(texts, k, department, aisle, mode), timeout=timeout_s,
+            reply = self._stub.Search(search_request(texts, k, department, aisle, mode, model), timeout=timeout_s,
                                       metadata=self._metadata)
         return decode_search(reply)
 

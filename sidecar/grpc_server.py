@@ -173,14 +173,14 @@ class EmbedderServicer:
 
     async def _embed(self, req: pb.EmbedRequest, key: str | None, deadline: float | None
                      ) -> tuple[pb.EmbedReply, dict[str, int]]:
-        out = await self.service.embed(req.texts, api_key=key, deadline=deadline)
+        out = await self.service.embed(req.texts, model=req.model or None, api_key=key, deadline=deadline)
         emb = out.embeddings
         if req.float16:
             data, dtype = emb.astype(_F16).tobytes(), pb.FLOAT16
         else:
             data, dtype = emb.astype(_F32, copy=False).tobytes(), pb.FLOAT32
         reply = pb.EmbedReply(embeddings=data, rows=emb.shape[0], dim=emb.shape[1], dtype=dtype,
-                              model=self.service.model, cache_hits=out.cache_hits, truncated=out.truncated,
+                              model=out.model, cache_hits=out.cache_hits, truncated=out.truncated,
                               timings=pb.Timings(**out.timings_ns), backend=out.backend)
         return reply, out.timings_ns
 
@@ -191,11 +191,11 @@ class EmbedderServicer:
         except ValueError:
             raise InvalidInput(f"unknown search mode {req.mode}") from None
         found = await self.service.search(req.texts, k=req.k, department=req.department, aisle=req.aisle,
-                                          mode=mode, api_key=key, deadline=deadline)
+                                          mode=mode, model=req.model or None, api_key=key, deadline=deadline)
         reply = pb.SearchReply(
             results=[pb.HitList(hits=[pb.Hit(id=h.id, score=h.score, fields=h.fields, legs=h.legs) for h in hits])
                      for hits in found.hits],
-            model=self.service.model, index_version=found.index_version, cache_hits=found.cache_hits,
+            model=found.model, index_version=found.index_version, cache_hits=found.cache_hits,
             timings=pb.Timings(**found.timings_ns), backend=found.backend)
         return reply, found.timings_ns
 

@@ -1,4 +1,9 @@
-"""HTTP facade (FastAPI): OpenAI-compatible POST /v1/embeddings, POST /v1/search, GET /health, GET /metrics.
+"""HTTP facade (FastAPI): OpenAI-compatible POST /v1/embeddings and GET /v1/models, POST /v1/search,
+GET /health, GET /metrics.
+
+The body's `model` picks a served model (its name, version id or variant id; absent = the default);
+an unknown one is 404 listing the served ones. `dimensions` truncates each vector to its first n
+values and L2-normalises it again (Matryoshka-style), refused above the model's dimension.
 
 Bodies are read and checked by hand (size cap, UTF-8, JSON types and depth, unknown fields) so every
 bad request gets a 4xx with a message that says what was wrong.
@@ -17,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -24,14 +30,15 @@ from starlette.requests import ClientDisconnect
 
 from catalog.fusion import SearchMode, parse_mode
 from inference.errors import EmbedcarError, Internal, InvalidInput, PayloadTooLarge, Unauthenticated
+from inference.pooling import l2_normalize
 from sidecar.errors import http_status
 from sidecar.metrics import Metrics
 from sidecar.service import EmbedService
 
 log = logging.getLogger(__name__)
 
-ALLOWED_FIELDS = frozenset({"input", "model", "encoding_format", "user"})
-SEARCH_FIELDS = frozenset({"input", "k", "department", "aisle", "mode"})
+ALLOWED_FIELDS = frozenset({"input", "model", "encoding_format", "user", "dimensions"})
+SEARCH_FIELDS = frozenset({"input", "k", "department", "aisle", "mode", "model"})
 
 
 def _error(exc: EmbedcarError) -> JSONResponse:
@@ -61,22 +68,46 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_embeddings_request(body: bytes) -> tuple[list[str], str]:
-    """(texts, encoding_format) from an OpenAI-style body, or InvalidInput saying what is wrong."""
+@dataclass(frozen=True, slots=True)
+class EmbeddingsBody:
+    texts: list[str]
+    encoding_format: str  # "float" | "base64"
+    model: str | None
+    dimensions: int | None
+
+
+def parse_embeddings_request(body: bytes) -> EmbeddingsBody:
+    """An OpenAI-style embeddings body, or InvalidInput saying what is wrong."""
     doc = _json_object(body)
     _reject_unknown(doc, ALLOWED_FIELDS)
     if "input" not in doc:
         raise InvalidInput("missing field `input` (a string or a list of strings)")
     texts = _input_texts(doc["input"], " (token arrays are not supported)")
-    model = doc.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidInput("`model` must be a string")
     fmt = doc.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise InvalidInput("`encoding_format` must be \"float\" or \"base64\"")
     if "user" in doc and not isinstance(doc["user"], str):
         raise InvalidInput("`user` must be a string")
-    return texts, fmt
+    dims = doc.get("dimensions")
+    if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
+        raise InvalidInput("`dimensions` must be a positive integer")
+    return EmbeddingsBody(texts, fmt, _model_field(doc), dims)
+
+
+def _model_field(doc: dict[str, Any]) -> str | None:
+    model = doc.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidInput("`model` must be a string")
+    return model or None
+
+
+def truncate_dimensions(emb: np.ndarray, dims: int | None) -> np.ndarray:
+    """The first `dims` values of each row, L2-normalised again; InvalidInput above the model's width."""
+    if dims is None or dims == emb.shape[1]:
+        return emb
+    if dims > emb.shape[1]:
+        raise InvalidInput(f"`dimensions` {dims} is over the model's dimension {emb.shape[1]}")
+    return l2_normalize(emb[:, :dims])
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +117,7 @@ class SearchBody:
     department: str | None
     aisle: str | None
     mode: SearchMode
+    model: str | None = None
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
@@ -137,7 +169,7 @@ def parse_search_request(body: bytes) -> SearchBody:
     mode = doc.get("mode", SearchMode.SEMANTIC.value)
     if not isinstance(mode, str):
         raise InvalidInput("`mode` must be \"semantic\", \"lexical\" or \"hybrid\"")
-    return SearchBody(texts, k, filters[0], filters[1], parse_mode(mode))
+    return SearchBody(texts, k, filters[0], filters[1], parse_mode(mode), _model_field(doc))
 
 
 def _api_key(request: Request) -> str | None:
@@ -155,8 +187,9 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         try:
-            texts, fmt = parse_embeddings_request(await _read_body(request, max_body_bytes))
-            out = await service.embed(texts, api_key=_api_key(request))
+            body = parse_embeddings_request(await _read_body(request, max_body_bytes))
+            out = await service.embed(body.texts, model=body.model, api_key=_api_key(request))
+            emb = truncate_dimensions(out.embeddings, body.dimensions)
         except EmbedcarError as exc:
             metrics.requests.labels("http_embed", exc.code).inc()
             return _error(exc)
@@ -168,15 +201,15 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
             return _error(Internal(f"unexpected error: {type(exc).__name__}"))
         metrics.requests.labels("http_embed", "ok").inc()
         metrics.observe_timings("embed", out.timings_ns)
-        emb = out.embeddings
         data: list[dict[str, Any]] = [
             {"object": "embedding", "index": i,
-             "embedding": base64.b64encode(row.astype("<f4").tobytes()).decode() if fmt == "base64" else row.tolist()}
+             "embedding": base64.b64encode(row.astype("<f4").tobytes()).decode() if body.encoding_format == "base64"
+             else row.tolist()}
             for i, row in enumerate(emb)
         ]
         n_tokens = sum(out.tokens)
         headers = {"x-embedcar-backend": out.backend} if out.backend else None  # who computed the misses
-        return JSONResponse({"object": "list", "data": data, "model": service.model,
+        return JSONResponse({"object": "list", "data": data, "model": out.model,
                              "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}, headers=headers)
 
     @app.post("/v1/search")
@@ -184,7 +217,7 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
         try:
             q = parse_search_request(await _read_body(request, max_body_bytes))
             out = await service.search(q.texts, k=q.k, department=q.department, aisle=q.aisle, mode=q.mode,
-                                       api_key=_api_key(request))
+                                       model=q.model, api_key=_api_key(request))
         except EmbedcarError as exc:
             metrics.requests.labels("http_search", exc.code).inc()
             return _error(exc)
@@ -200,8 +233,19 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
                     {"id": h.id, "score": h.score, "fields": h.fields, "legs": list(h.legs)} for h in hits]}
                 for i, (hits, hit) in enumerate(zip(out.hits, out.cache_hits, strict=True))]
         headers = {"x-embedcar-backend": out.backend} if out.backend else None
-        return JSONResponse({"object": "list", "data": data, "model": service.model, "mode": q.mode.value,
+        return JSONResponse({"object": "list", "data": data, "model": out.model, "mode": q.mode.value,
                              "index_version": out.index_version, "timings_ns": out.timings_ns}, headers=headers)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        """The served models, OpenAI's list shape: `id` is what a request's `model` may name."""
+        try:
+            service.keys.tenant_for(_api_key(request))
+        except Unauthenticated as exc:
+            return _error(exc)
+        data = [{"id": m.name, "object": "model", "owned_by": "embedcar", "version": m.version_id,
+                 "dimensions": m.backend.dim, "default": i == 0} for i, m in enumerate(service.models)]
+        return JSONResponse({"object": "list", "data": data})
 
     @app.get("/health")
     async def health() -> Response:

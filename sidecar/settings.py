@@ -18,6 +18,10 @@ class SidecarSettings:
         None, "Also serve gRPC on this Unix socket, mode 0660 (same-host callers; access by file permissions)."
     )
     http_port: int = setting(8080, "HTTP facade port (0 = pick a free one, -1 = off).")
+    models: tuple[str, ...] = setting(
+        (), "Models this sidecar serves (prepared directories under model.models_dir), the first the default; "
+        "a request names one with its `model` field (gRPC) or body (HTTP). Empty = model.name alone."
+    )
     backend: str = setting("embedded", "Inference backend: embedded (in-process ORT) or triton.", choices=KINDS)
     embedded_fallback: bool = setting(
         True, "Triton backend: answer with the embedded model while no Triton URL answers (only when the "

@@ -95,7 +95,7 @@ def test_http_embeddings_match_grpc(sidecar_embedded: Sidecar, sidecar_client: C
     url = f"http://127.0.0.1:{sidecar_embedded.http_port}"
     texts = ["penne pasta", "tomato passata 500g"]
     grpc_emb = sidecar_client.embed(texts).embeddings
-    r = httpx.post(f"{url}/v1/embeddings", json={"input": texts, "model": "whatever"})
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": texts, "model": sidecar_embedded.model.name})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "list" and body["model"] == sidecar_embedded.service.model

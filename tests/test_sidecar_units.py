@@ -29,7 +29,7 @@ from inference.errors import (
 from sidecar.admission import Admission
 from sidecar.auth import ANONYMOUS, KeyRing, check_bind, parse_keys_file
 from sidecar.errors import from_grpc, grpc_code, http_status
-from sidecar.http_api import parse_embeddings_request
+from sidecar.http_api import EmbeddingsBody, parse_embeddings_request
 from sidecar.proto.generate import GENERATED, PROTO_DIR, generate
 from sidecar.ratelimit import RateLimiter
 from sidecar.settings import SidecarSettings
@@ -228,9 +228,9 @@ def test_client_side_mapping_keeps_code_and_hint() -> None:
 
 # --- HTTP body parsing ------------------------------------------------------------------------
 def test_openai_body_parsing() -> None:
-    assert parse_embeddings_request(b'{"input": "milk"}') == (["milk"], "float")
-    assert parse_embeddings_request(b'{"input": ["a", "b"], "model": "m", "encoding_format": "base64"}') == (
-        ["a", "b"], "base64")
+    assert parse_embeddings_request(b'{"input": "milk"}') == EmbeddingsBody(["milk"], "float", None, None)
+    assert parse_embeddings_request(b'{"input": ["a", "b"], "model": "m", "encoding_format": "base64", '
+                                    b'"dimensions": 3}') == EmbeddingsBody(["a", "b"], "base64", "m", 3)
     for body, msg in [
         (b"\xff\xfe", "UTF-8"),
         (b"{not json", "not JSON"),
@@ -239,7 +239,8 @@ def test_openai_body_parsing() -> None:
         (b'{"input": ["a", 3]}', "string or a list"),
         (b'{"input": [[101, 102]]}', "token arrays"),
         (b'{"texts": ["a"]}', "unknown fields"),
-        (b'{"input": "a", "dimensions": 3}', "unknown fields"),
+        (b'{"input": "a", "dimensions": 0}', "dimensions"),
+        (b'{"input": "a", "dimensions": "3"}', "dimensions"),
         (b'{"model": "m"}', "missing field"),
         (b'{"input": "a", "model": 1}', "model"),
         (b'{"input": "a", "encoding_format": "int8"}', "encoding_format"),

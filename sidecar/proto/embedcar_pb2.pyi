@@ -47,12 +47,14 @@ class Timings(_message.Message):
     def __init__(self, auth: _Optional[int] = ..., cache: _Optional[int] = ..., tokenize: _Optional[int] = ..., queue: _Optional[int] = ..., inference: _Optional[int] = ..., search: _Optional[int] = ..., lexical: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("texts", "float16")
+    __slots__ = ("texts", "float16", "model")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     FLOAT16_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     float16: bool
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., float16: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., float16: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class EmbedReply(_message.Message):
     __slots__ = ("embeddings", "rows", "dim", "dtype", "model", "cache_hits", "truncated", "timings", "backend")
@@ -77,18 +79,20 @@ class EmbedReply(_message.Message):
     def __init__(self, embeddings: _Optional[bytes] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., model: _Optional[str] = ..., cache_hits: _Optional[_Iterable[bool]] = ..., truncated: _Optional[_Iterable[bool]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class SearchRequest(_message.Message):
-    __slots__ = ("texts", "k", "department", "aisle", "mode")
+    __slots__ = ("texts", "k", "department", "aisle", "mode", "model")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     DEPARTMENT_FIELD_NUMBER: _ClassVar[int]
     AISLE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     k: int
     department: str
     aisle: str
     mode: SearchMode
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., department: _Optional[str] = ..., aisle: _Optional[str] = ..., mode: _Optional[_Union[SearchMode, str]] = ...) -> None: ...
+    model: str
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., department: _Optional[str] = ..., aisle: _Optional[str] = ..., mode: _Optional[_Union[SearchMode, str]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Hit(_message.Message):
     __slots__ = ("id", "score", "fields", "legs")
