@@ -16,7 +16,7 @@ from inference.embedder import Embedder, load_tokenizer
 from inference.flags import add_flags, flag_overrides
 from inference.manifest import load_manifest
 from inference.pooling import POOLING_MODES
-from inference.prepare import prepare_model
+from inference.prepare import prepare_model, rollback_model
 from inference.settings import ModelSettings, Settings
 
 
@@ -52,6 +52,10 @@ def register_model(sub: Any) -> None:
                       help="prompt put before each catalog document; '' for none (default: 'document' or "
                            "'passage' if the model has one)")
     prep.set_defaults(func=_prepare)
+    back = msub.add_parser("rollback", help="put the previous version of --model back in place (running sidecars "
+                                              "switch to it with its index)")
+    add_model_flags(back)
+    back.set_defaults(func=_rollback)
     show = msub.add_parser("show", help="print the manifest")
     add_model_flags(show)
     show.set_defaults(func=_show)
@@ -61,6 +65,12 @@ def _prepare(args: argparse.Namespace) -> int:
     s = settings_from_args(args).model
     prepare_model(s.models_dir, s.name, force=args.force, from_dir=args.from_dir, pooling=args.pooling,
                   query_prompt=args.query_prompt_name, document_prompt=args.document_prompt_name)
+    return 0
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    s = settings_from_args(args).model
+    rollback_model(s.models_dir, s.name)
     return 0
 
 

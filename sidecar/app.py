@@ -34,6 +34,7 @@ from sidecar.metrics import Metrics
 from sidecar.models import FALLBACK, ModelSet, ServedModel, build_model, served_names
 from sidecar.pipeline import EmbedPipeline
 from sidecar.ratelimit import RateLimiter
+from sidecar.rollout import Rollout
 from sidecar.scheduler import BackendHealth, FallbackScheduler
 from sidecar.search_index import IndexHolder
 from sidecar.service import EmbedService
@@ -84,6 +85,8 @@ class Sidecar:
         self._http_task: asyncio.Task[None] | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.rollout = Rollout(settings, self.models, self.metrics, on_switch=self._switched, on_index_load=on_load)
+        self._rollout: asyncio.Task[None] | None = None
 
     # The default (first) model's parts, for callers that serve one model.
     @property
@@ -165,7 +168,7 @@ class Sidecar:
             await self._start_http(s.host, s.http_port, s.max_message_bytes)
         for m in self.models:
             await m.start()
-            m.health.on_down = lambda: self._spawn(self._set_health(self.can_answer))
+            self._switched(m)
         loop = asyncio.get_running_loop()
         if s.warm_queries_file is not None:
             await self.warm_cache(s.warm_queries_file)
@@ -175,10 +178,19 @@ class Sidecar:
             m.health.mark(True)
         await self._set_health(True)
         self._monitor = loop.create_task(self._watch_backend(), name="backend-health")
+        if s.model_poll_s > 0:
+            self._rollout = loop.create_task(self.rollout.run(), name="model-rollout")
         log.info("sidecar serving %s on grpc %s:%d%s, http %s", ", ".join(m.version_id for m in self.models), s.host,
                  self.grpc_port,
                  f" and {self.uds.path}" if self.uds is not None else "",
                  self.http_port if self.http_port is not None else "off")
+
+    def _switched(self, m: ServedModel) -> None:
+        """A model version went into service (at start, or by a rollout)."""
+        m.health.on_down = lambda: self._spawn(self._set_health(self.can_answer))
+        self.metrics.model_info.clear()
+        for served in self.models:
+            self.metrics.model_info.labels(served.name, served.version_id).set(1)
 
     def _settle(self) -> None:
         frozen = heap.settle()
@@ -194,11 +206,12 @@ class Sidecar:
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
             self.serving = False
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
-            self._monitor = None
+        for task in (self._monitor, self._rollout):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._monitor = self._rollout = None
         if self._grpc is not None:
             await self._grpc.stop(grace)  # refuses new calls, lets in-flight ones finish within `grace`
             self._grpc = None
@@ -209,6 +222,7 @@ class Sidecar:
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(self._http_task, grace + 1)
             self._http = self._http_task = None
+        await self.rollout.close()
         for m in self.models:
             await m.close()
         if self._unwatch_gc is not None:

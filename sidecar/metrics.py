@@ -74,6 +74,10 @@ class Metrics:
                                        ["backend"], registry=r)
         self.backend_up = Gauge("embedcar_backend_up", "1 while the backend serves.", registry=r)
         self.cache_entries = Gauge("embedcar_cache_entries", "Entries in the embedding cache.", registry=r)
+        self.model_switches = Counter("embedcar_model_switches", "Served model versions switched by a rollout "
+                                      "(or a rollback), each with its index.", registry=r)
+        self.model_info = Gauge("embedcar_model_info", "1 per model version in service (name, version id).",
+                                ["model", "version"], registry=r)
         self.gc_pause = Histogram("embedcar_gc_pause_seconds", "Garbage-collector pauses of the sidecar's process "
                                   "by generation (2 = full), each stopping every request in flight.",
                                   ["generation"], buckets=LATENCY_BUCKETS, registry=r)

@@ -60,6 +60,11 @@ class SidecarSettings:
     )
     max_k: int = setting(100, "Largest k a Search may ask for.")
     index_poll_s: float = setting(5.0, "How often to look for a newer catalog index version.")
+    model_poll_s: float = setting(
+        5.0, "How often to look for a new version of each served model (its manifest, after `model prepare` or "
+        "`model rollback`): it is loaded and warmed beside the one in service and switched in together with an "
+        "index built by it (sidecar/rollout.py). 0 = never: a new version needs a restart."
+    )
     health_poll_s: float = setting(0.5, "How often to probe the backend while it is down.")
 
 

@@ -1,0 +1,134 @@
+"""A new version of a served model rolled out with its index, then rolled back, under load: not one
+reply in which the query vector and the index it searched come from different model versions.
+
+Real processes throughout: a sidecar (embedded backend) serving Search from an index root, the
+real `embedcar model prepare` / `catalog build` / `model rollback` commands run as a team would run
+them, and a load of Search calls going on from before the first change to after the last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from demo_ui.settings import Settings
+from inference.errors import EmbedcarError
+from inference.manifest import load_manifest
+from sidecar.app import Sidecar, SidecarThread
+from sidecar.client import Client
+from tests.conftest import ROOT
+from tests.fixtures_models import tiny_st_folder
+from tests.fixtures_sidecar import sidecar_settings
+
+NAME = "shop"
+QUERIES = ["greek yogurt", "organic pasta sauce", "whole milk", "green tea", "fresh strawberries", "chicken broth"]
+
+
+def _cli(*args: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "inference.cli_main", *args], cwd=ROOT, capture_output=True,
+                          text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _index_model(index_root: Path, version: str) -> str:
+    """The model id an index version was built with (its manifest), read from disk, not from the sidecar."""
+    return str(json.loads((index_root / version / "manifest.json").read_text())["model_id"])
+
+
+class Load:
+    """Search calls back to back from a thread until stopped; every reply and error recorded."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.replies: list[tuple[str, str]] = []  # (model version id, index version)
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with Client(self.target) as c:
+            i = 0
+            while not self._stop.is_set():
+                try:
+                    r = c.search([QUERIES[i % len(QUERIES)]], k=3, timeout_s=30)
+                    self.replies.append((r.model, r.index_version))
+                except EmbedcarError as exc:
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+                i += 1
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def wait_for_model(self, version_id: str, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.replies and self.replies[-1][0] == version_id:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"no reply from {version_id} within {timeout_s} s; last {self.replies[-1:]}")
+
+
+@pytest.mark.slow
+def test_rollout_and_rollback_under_load_never_mix_model_and_index(settings: Settings, tmp_path: Path) -> None:
+    models, index_root = tmp_path / "models", tmp_path / "index"
+    common = ["--models-dir", str(models), "--model", NAME]
+    build = ["catalog", "build", "--limit", "200", "--index-root", str(index_root),
+             "--no-progress", *common]
+    # Week 1: the team's model and the index built with it.
+    v1_src = tiny_st_folder(tmp_path / "v1", "bert", pooling="mean", seed=1)
+    _cli("model", "prepare", "--from", str(v1_src), *common)
+    _cli(*build)
+    v1 = load_manifest(models / NAME)
+    v1_id = v1.variant_id(v1.default_variant)
+    s = sidecar_settings(settings, index_dir=index_root, index_poll_s=0.2, model_poll_s=0.2, grace_s=0.5)
+    s = dataclasses.replace(s, model=dataclasses.replace(s.model, models_dir=models, name=NAME, variant=""))
+    with SidecarThread(s) as sc, Load(sc.grpc_target) as load:
+        load.wait_for_model(v1_id)
+        # Week 2: a retrained model (other weights) is prepared; the sidecar warms it, but its
+        # index does not exist yet: replies stay on v1 with v1's index meanwhile.
+        v2_src = tiny_st_folder(tmp_path / "v2", "bert", pooling="mean", seed=2)
+        _cli("model", "prepare", "--from", str(v2_src), *common)
+        v2 = load_manifest(models / NAME)
+        v2_id = v2.variant_id(v2.default_variant)
+        assert v2_id != v1_id
+        _wait(lambda: _candidate_warm(sc))
+        before_index = len(load.replies)
+        time.sleep(1.0)
+        assert {m for m, _ in load.replies[before_index:]} == {v1_id}, "switched before the new index existed"
+        _cli(*build)  # the catalog job builds v2's index: now the switch happens
+        load.wait_for_model(v2_id)
+        # Rollback: one command; v1's index versions are still in the root.
+        _cli("model", "rollback", *common)
+        load.wait_for_model(v1_id)
+        time.sleep(0.5)
+    assert load.errors == []
+    seen = Counter(load.replies)
+    mixed = [(m, v) for (m, v) in seen if _index_model(index_root, v) != m]
+    assert mixed == [], f"replies whose index was built by another model version: {mixed}"
+    models_seen = [m for m, _ in load.replies]
+    assert models_seen.count(v2_id) > 0 and models_seen[0] == models_seen[-1] == v1_id
+    assert len(load.replies) > 50
+
+
+def _candidate_warm(sc: Sidecar) -> bool:
+    return bool(sc.rollout._candidates)
+
+
+def _wait(cond: object, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
