@@ -101,13 +101,14 @@ def _model_field(doc: dict[str, Any]) -> str | None:
     return model or None
 
 
-def truncate_dimensions(emb: np.ndarray, dims: int | None) -> np.ndarray:
-    """The first `dims` values of each row, L2-normalised again; InvalidInput above the model's width."""
+def truncate_dimensions(emb: np.ndarray, dims: int | None, *, normalize: bool = True) -> np.ndarray:
+    """The first `dims` values of each row, L2-normalised again where the model normalises its
+    vectors; InvalidInput above the model's width."""
     if dims is None or dims == emb.shape[1]:
         return emb
     if dims > emb.shape[1]:
         raise InvalidInput(f"`dimensions` {dims} is over the model's dimension {emb.shape[1]}")
-    return l2_normalize(emb[:, :dims])
+    return l2_normalize(emb[:, :dims]) if normalize else emb[:, :dims]
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +190,8 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
         try:
             body = parse_embeddings_request(await _read_body(request, max_body_bytes))
             out = await service.embed(body.texts, model=body.model, api_key=_api_key(request))
-            emb = truncate_dimensions(out.embeddings, body.dimensions)
+            emb = truncate_dimensions(out.embeddings, body.dimensions,
+                                      normalize=service.models.get(body.model).manifest.normalize)
         except EmbedcarError as exc:
             metrics.requests.labels("http_embed", exc.code).inc()
             return _error(exc)

@@ -43,6 +43,7 @@ class Rollout:
         self._on_index_load = on_index_load
         self._candidates: dict[str, ServedModel] = {}
         self._waiting: set[str] = set()  # versions already reported as waiting for their index
+        self._reported: set[tuple[str, str]] = set()  # start failures already logged
         self._retiring: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
@@ -52,6 +53,11 @@ class Rollout:
             for current in self.models:
                 try:
                     await self.check(current.name)
+                except EmbedcarError as exc:  # e.g. a Triton that does not serve the new version yet
+                    if (current.name, exc.message) not in self._reported:  # once, not every poll
+                        self._reported.add((current.name, exc.message))
+                        log.warning("model %s: the new version cannot start yet (%s); still serving %s",
+                                    current.name, exc.message, current.version_id)
                 except Exception:  # keep serving what is in service; the next poll tries again
                     log.exception("rollout of model %s failed", current.name)
 

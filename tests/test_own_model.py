@@ -222,3 +222,27 @@ async def test_triton_serves_a_user_model_as_the_embedded_backend_does(tmp_path:
                 assert _cos(got, st_reference(src, TEXTS, m.prompt(role))).min() >= 0.9999, role
         finally:
             await backend.close()
+
+
+def test_the_catalog_job_embeds_products_with_the_document_prompt(settings: Any, tmp_path: Path) -> None:
+    """An E5-style model: the index holds what sentence-transformers gives for "passage: " + the
+    product text, and a sidecar query gets "query: " (the job and the sidecar choose, not callers)."""
+    import dataclasses
+
+    from catalog.job import build
+    from catalog.sources import compose_text, read_grocery
+    from catalog.spec import BuildSpec
+
+    src = tiny_st_folder(tmp_path / "st", "bert", pooling="mean", prompts=E5)
+    m = prepare_model(tmp_path / "models", "e5", from_dir=src, say=_quiet)
+    s = settings.with_section("catalog", index_root=tmp_path / "index", chunk_items=64, batch_size=32)
+    s = dataclasses.replace(s, model=dataclasses.replace(s.model, models_dir=tmp_path / "models", name="e5",
+                                                         variant="fp32"))
+    loaded = read_grocery(limit=40)
+    summary = asyncio.run(build(s, BuildSpec(), loaded=loaded, progress=False))
+    assert summary.version_dir is not None
+    stored = np.load(summary.version_dir / "embeddings.npy")
+    texts = [compose_text(p.fields, s.catalog.text_fields) for p in loaded.products]
+    assert _cos(stored, st_reference(src, texts, "passage: ")).min() >= 0.9999
+    assert _cos(stored, st_reference(src, texts, "query: ")).min() < 0.9999  # the prompt made a difference
+    assert m.prompt("document") == "passage: "
