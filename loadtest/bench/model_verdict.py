@@ -190,15 +190,17 @@ def save_png(report: dict[str, Any], path: Path) -> None:
     ax.set_xticks(list(xs), labels, fontsize=7)
     ax.legend(fontsize=7)
     ax = axes[2]
-    for label, r in rows:
+    for i, (label, r) in enumerate(rows):
         qual = r.get("quality") or {}
+        p95 = r["latency_ms"]["1x32"]["p95"]
         for s, marker in zip(QUERY_SETS, ("o", "s"), strict=True):
-            if s in qual:
-                ax.scatter(r["latency_ms"]["1x32"]["p95"], qual[s]["ndcg_at_10"], marker=marker)
-                ax.annotate(f"{label.replace(chr(10), ' ')} ({s})", (r["latency_ms"]["1x32"]["p95"],
-                                                                     qual[s]["ndcg_at_10"]), fontsize=6)
+            if s in qual:  # one colour per model and variant, one marker per query set
+                ax.scatter(p95, qual[s]["ndcg_at_10"], marker=marker, color=f"C{i}",
+                           label=label.replace("\n", " ") if s == QUERY_SETS[0] else None)
+    if any(r.get("quality") for _, r in rows):
+        ax.legend(fontsize=7, title="o aisle-name, □ known-item", title_fontsize=7)
     ax.axvline(rule["sla_ms"] / 2, color="red", ls="--")
-    ax.set(title="weak-label nDCG@10 vs batch-1 P95 (1×32)", xlabel="P95 ms", ylabel="nDCG@10")
+    ax.set(title="weak-label nDCG@10 (exact) vs P95 1×32", xlabel="P95 ms", ylabel="nDCG@10")
     fig.suptitle(f"embedcar model report, {report['date']}, {report['machine'].get('cpu', '')}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
