@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from inference.backends.factory import make_backend
+from inference.cli_main import register_entry_points
 from inference.embedder import Embedder, load_tokenizer
 from inference.flags import add_flags, flag_overrides
 from inference.manifest import load_manifest
@@ -59,6 +60,8 @@ def register_model(sub: Any) -> None:
     show = msub.add_parser("show", help="print the manifest")
     add_model_flags(show)
     show.set_defaults(func=_show)
+    # Subcommands from higher layers (`model report`, loadtest/bench: it needs the catalog).
+    register_entry_points(msub, "embedcar.model_commands")
 
 
 def _prepare(args: argparse.Namespace) -> int:

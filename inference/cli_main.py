@@ -11,6 +11,7 @@ import logging
 import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
+from typing import Any
 
 from inference.errors import EmbedcarError, ModelError
 
@@ -19,7 +20,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="embedcar", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for ep in sorted(entry_points(group="embedcar.commands"), key=lambda e: e.name):
+    register_entry_points(sub, "embedcar.commands")
+    return parser
+
+
+def register_entry_points(sub: Any, group: str) -> None:
+    """Call each `group` entry point's register(sub), by name. Also used one level down (`embedcar
+    model` iterates `embedcar.model_commands`), so a higher layer can add a subcommand there."""
+    for ep in sorted(entry_points(group=group), key=lambda e: e.name):
         try:
             register = ep.load()
         except ImportError as exc:
@@ -29,7 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
             broken.set_defaults(func=_unavailable(ep.name, exc))
             continue
         register(sub)
-    return parser
 
 
 def _unavailable(name: str, exc: ImportError) -> Callable[[argparse.Namespace], int]:

