@@ -140,7 +140,10 @@ def _remote_target(spec: TargetSpec, args: argparse.Namespace, settings: Setting
     if spec.target == "inprocess":
         return InProcessTarget.for_model(settings.model)
     urls = args.triton_url or list(settings.triton.urls)
-    return TritonTarget(urls, settings.model.model_dir, variant=settings.model.variant)
+    from inference.triton.tls import client_credentials
+
+    return TritonTarget(urls, settings.model.model_dir, variant=settings.model.variant,
+                        credentials=client_credentials(settings.triton))
 
 
 def main(args: argparse.Namespace) -> int:

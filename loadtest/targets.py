@@ -19,6 +19,7 @@ from inference.errors import DeadlineExceeded, Internal, InvalidInput, Unavailab
 
 if TYPE_CHECKING:
     from inference.settings import ModelSettings
+    from inference.triton.tls import ClientCredentials
 
 Timings = dict[str, int]
 
@@ -230,8 +231,9 @@ class TritonTarget(Target):
     name = "triton"
 
     def __init__(self, urls: Sequence[str], model_dir: Path, *, variant: str | None = None,
-                 model_name: str = "embedder") -> None:
+                 model_name: str = "embedder", credentials: ClientCredentials | None = None) -> None:
         self.urls = list(urls)
+        self.credentials = credentials  # a hardened pool: TLS, the client key (and the operator's for statistics)
         self.model_dir = model_dir
         self.variant = variant
         self.model_name = model_name
@@ -245,7 +247,8 @@ class TritonTarget(Target):
 
         manifest = load_manifest(self.model_dir)
         self._tokenizer = load_tokenizer(self.model_dir, manifest)
-        self._backend = TritonBackend(self.urls, manifest, variant=self.variant, model_name=self.model_name)
+        self._backend = TritonBackend(self.urls, manifest, variant=self.variant, model_name=self.model_name,
+                                      credentials=self.credentials)
         await self._backend.start()
 
     async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:

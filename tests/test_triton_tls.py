@@ -19,13 +19,13 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from demo_ui.settings import Settings
 from inference.backends.factory import make_backend
 from inference.backends.onnx import OnnxBackend
 from inference.backends.triton import CredentialsRefused, TritonBackend
 from inference.errors import FailedPrecondition, Unavailable
 from inference.manifest import Manifest
 from inference.ports import free_port
-from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer
 from inference.triton.certs import PoolFiles, make_pool_certs
 from inference.triton.launcher import TritonServer, triton_unavailable_reason
@@ -36,7 +36,9 @@ from inference.triton.tls import (
     ClientCredentials,
     client_credentials,
 )
-from tests.fixtures_triton import triton_settings
+from sidecar.app import SidecarThread
+from sidecar.client import Client
+from tests.fixtures_sidecar import sidecar_settings
 
 pytestmark = pytest.mark.triton
 
@@ -57,8 +59,9 @@ def foreign(tmp_path_factory: pytest.TempPathFactory) -> PoolFiles:
 def hardened_settings(settings: Settings, pool: PoolFiles, root: Path) -> Settings:
     cert, key = pool.hosts["triton-a"]
     ccert, ckey = pool.clients["sidecar"]
-    return triton_settings(settings, root).with_section(
-        "triton", profile="hardened", tls_ca_file=pool.ca_cert, tls_server_cert_file=cert, tls_server_key_file=key,
+    return settings.with_section(
+        "triton", repo_dir=root / "repo", backend_dir=root / "backends", profile="hardened",
+        tls_ca_file=pool.ca_cert, tls_server_cert_file=cert, tls_server_key_file=key,
         tls_client_cert_file=ccert, tls_client_key_file=ckey, tls_mutual=True, client_key_file=pool.client_key,
         operator_key_file=pool.operator_key)
 
@@ -79,9 +82,9 @@ def server(settings: Settings, model_dir: Path, pool: PoolFiles, tmp_path_factor
 
 
 @pytest.fixture
-def hs(server: TritonServer) -> Settings:
+def hs(settings: Settings, server: TritonServer) -> Settings:
     """The hardened settings pointed at the running server (as a sidecar on another host would have them)."""
-    return server.settings.with_section("triton", urls=(server.grpc_url,))
+    return settings.with_section("triton", **_fields(server.settings.triton) | {"urls": (server.grpc_url,)})
 
 
 def _keys(pool: PoolFiles) -> tuple[str, str]:
@@ -332,3 +335,21 @@ async def test_sidecar_key_in_wrong_file_is_a_startup_error(hs: Settings, server
         await backend.start()
     await backend.close()
     assert RESTRICTED in info.value.message and "W" * 32 not in info.value.message
+
+
+def test_sidecar_embeds_and_searches_through_hardened_triton(hs: Settings, grocery_index_root: Path,
+                                                             onnx_backend: OnnxBackend,
+                                                             tokenizer: QueryTokenizer) -> None:
+    s = sidecar_settings(hs.with_section("triton", timeout_ms=30_000, probe_interval_s=0.2), backend="triton",
+                         http_port=-1, index_dir=grocery_index_root, embedded_fallback=False)
+    with SidecarThread(s) as sc, Client(sc.grpc_target) as c:
+        assert sc.backend.name == "triton"
+        r = c.embed(["organic whole milk"])
+        assert r.backend == "triton"  # Triton answered, not a fallback
+        want = onnx_backend.embed_sync(tokenizer.batch(tokenizer.encode(["organic whole milk"]).ids, length=16))
+        assert float(np.sum(r.embeddings[0] * want[0])) >= 0.9999
+        hits = [h.id for h in c.search(["oat milk"], k=5).hits[0]]
+    # The same search with the embedded model: the same products.
+    with SidecarThread(sidecar_settings(hs, http_port=-1, index_dir=grocery_index_root)) as sc, \
+            Client(sc.grpc_target) as c:
+        assert [h.id for h in c.search(["oat milk"], k=5).hits[0]] == hits and len(hits) == 5

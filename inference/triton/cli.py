@@ -36,7 +36,8 @@ def register(sub: Any) -> None:
     serve = tsub.add_parser("serve", help="run the bundled tritonserver on the CPU repository until Ctrl-C")
     common(serve)
     add_flags(serve, "triton", TritonSettings, "grpc_port", "http_port", "metrics_port", "max_queue_delay_us",
-              "cpu_instances")
+              "cpu_instances", "host", "metrics_host", "profile", "tls_ca_file", "tls_server_cert_file",
+              "tls_server_key_file", "tls_mutual", "client_key_file", "operator_key_file")
     serve.set_defaults(func=_serve)
 
     certs = tsub.add_parser("certs", help="a private CA, per-host and per-client certificates and the two API "
