@@ -190,11 +190,22 @@ def server_flags(t: TritonSettings) -> ServerFlags:
         f"--grpc-server-cert={t.tls_server_cert_file}",
         f"--grpc-server-key={t.tls_server_key_file}",
         f"--grpc-root-cert={t.tls_ca_file}",
+        *restricted_flags(client, operator),
+        *LOCKED_FLAGS,
+    ]
+    return ServerFlags(args, (client, operator))
+
+
+# Off in the hardened profile: loading models at run time (code execution from the repository) and
+# the cloud front ends we never use.
+LOCKED_FLAGS = ("--model-control-mode=none", "--allow-sagemaker=false", "--allow-vertex-ai=false")
+
+
+def restricted_flags(client: str, operator: str) -> list[str]:
+    """The API-group flags with these key values (docker-compose.yml writes the same with `$(cat file)`)."""
+    return [
         f"--grpc-restricted-protocol={','.join(CLIENT_GROUPS)}:{CLIENT_KEY_NAME}={client}",
         f"--grpc-restricted-protocol={','.join(OPERATOR_GROUPS)}:{OPERATOR_KEY_NAME}={operator}",
         f"--http-restricted-api={','.join(HTTP_CLIENT_GROUPS)}:{CLIENT_KEY_NAME}={client}",
         f"--http-restricted-api={','.join(OPERATOR_GROUPS)}:{OPERATOR_KEY_NAME}={operator}",
-        "--model-control-mode=none",
-        "--allow-sagemaker=false", "--allow-vertex-ai=false",
     ]
-    return ServerFlags(args, (client, operator))
