@@ -7,7 +7,14 @@ holds the right credentials.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
+import os
+import re
+import signal
+import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -353,3 +360,71 @@ def test_sidecar_embeds_and_searches_through_hardened_triton(hs: Settings, groce
     with SidecarThread(sidecar_settings(hs, http_port=-1, index_dir=grocery_index_root)) as sc, \
             Client(sc.grpc_target) as c:
         assert [h.id for h in c.search(["oat milk"], k=5).hits[0]] == hits and len(hits) == 5
+
+
+def test_compose_triton_command_serves_hardened(settings: Settings, model_dir: Path, pool: PoolFiles,
+                                                tmp_path: Path) -> None:
+    """docker-compose.yml's Triton command line, run by /bin/sh as compose would (keys via `$(cat …)`),
+    against the wheel's tritonserver: it starts, refuses a call without the key and serves one with it.
+    Only what a machine without Docker and a GPU must change is changed: binary, repository, ports,
+    certificate folder, loopback instead of the container's 0.0.0.0."""
+    yaml: Any = importlib.import_module("yaml")  # untyped, as in tests/test_compose.py
+    from inference.manifest import load_manifest
+    from inference.triton.launcher import assemble_backend_dir, pytriton_root
+    from inference.triton.repository import generate_repository
+
+    reason = triton_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    root = Path(__file__).resolve().parent.parent
+    entry = " ".join(yaml.safe_load((root / "docker-compose.yml").read_text())["services"]["triton"]["entrypoint"])
+    script = entry.split(" -c ", 1)[1].replace("$$", "$")
+    binary = pytriton_root()
+    assert binary is not None
+    s = settings.with_section("triton", repo_dir=tmp_path / "repo", backend_dir=tmp_path / "backends")
+    repo = generate_repository(s, load_manifest(model_dir), model_dir, target="cpu", variant="fp32",
+                               out_dir=tmp_path / "repo-cpu-fp32")
+    ports = {p: free_port() for p in ("8001", "8000", "8002")}
+    script = script.replace("exec tritonserver", f"exec {binary / 'bin' / 'tritonserver'}")
+    script = script.replace("--model-repository=/repo", f"--model-repository={repo} "
+                            f"--backend-directory={assemble_backend_dir(tmp_path / 'backends')} "
+                            f"--backend-config=python,shm-region-prefix-name=embedcar_compose_{os.getpid()}_")
+    script = script.replace("/secrets/triton", str(pool.ca_cert.parent)).replace("0.0.0.0", "127.0.0.1")
+    for old, new in ports.items():
+        script = re.sub(rf"(--\w+-port=){old}\b", rf"\g<1>{new}", script)
+    env = TritonServer(s)._env() | {"EMBEDCAR_CERT_NAME": "triton-a"}
+    log = (tmp_path / "compose-triton.log").open("wb")
+    proc = subprocess.Popen(["/bin/sh", "-c", script], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    key, _op = _keys(pool)
+    cert, ckey = pool.clients["sidecar"]
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['8001']}", ssl=True,
+                                              root_certificates=str(pool.ca_cert), certificate_chain=str(cert),
+                                              private_key=str(ckey))
+    header = {GRPC_HEADER_PREFIX + CLIENT_KEY_NAME: key}
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "compose-triton.log").read_text()[-3000:]
+            try:
+                if client.is_model_ready("embedder", headers=header, client_timeout=5.0):
+                    break
+            except InferenceServerException:
+                pass
+            assert time.monotonic() < deadline, "compose's tritonserver command never became ready"
+            time.sleep(0.5)
+        with pytest.raises(InferenceServerException, match=RESTRICTED):
+            client.is_model_ready("embedder", client_timeout=5.0)
+        with pytest.raises(InferenceServerException, match=RESTRICTED):
+            client.get_log_settings(headers=header, client_timeout=5.0)
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports['8000']}/v2/health/ready", timeout=5) as r:
+            assert r.status == 200  # the compose healthcheck's call
+        assert key not in (tmp_path / "compose-triton.log").read_text()
+    finally:
+        client.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        log.close()
+        for f in Path("/dev/shm").glob(f"embedcar_compose_{os.getpid()}_*"):
+            f.unlink(missing_ok=True)
