@@ -53,8 +53,9 @@ class CredentialsRefused(FailedPrecondition):
 
 # What gRPC and Triton say when credentials, not the network, failed (checked against grpcio 1.85 and
 # Triton 2.51 by tests/test_triton_tls.py).
-_CREDENTIAL_FAILURES = ("protocol is restricted", "ssl handshake", "handshake failed", "certificate_verify",
-                        "tls handshake", "ssl_error", "tsi_")
+# Narrow on purpose: a connection cut mid-call (SSL_ERROR_SYSCALL, "Socket closed") is an outage.
+_CREDENTIAL_FAILURES = ("protocol is restricted", "handshake failed", "certificate_verify", "certificate verify",
+                        "tsi_protocol_failure")
 
 
 def map_error(exc: Exception, url: str) -> EmbedcarError:
