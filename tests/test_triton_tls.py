@@ -428,3 +428,17 @@ def test_compose_triton_command_serves_hardened(settings: Settings, model_dir: P
         log.close()
         for f in Path("/dev/shm").glob(f"embedcar_compose_{os.getpid()}_*"):
             f.unlink(missing_ok=True)
+
+
+async def test_load_test_reads_statistics_of_a_hardened_triton(hs: Settings, server: TritonServer) -> None:
+    from loadtest.targets import TritonStats
+
+    creds = client_credentials(hs.triton)
+    for credentials, expect in ((creds, True), (None, False)):  # a plaintext reader is refused: no figures
+        stats = TritonStats(server.grpc_url, credentials)
+        await stats.start()
+        try:
+            got = await stats.read()
+        finally:
+            await stats.close()
+        assert (got is not None and "embedder" in got) == expect, credentials
