@@ -8,6 +8,11 @@ backend stub outlives the server; `kill()` is SIGKILL for fault tests.
 Start-up is ready only when this process listens on its own ports and answers over HTTP and gRPC:
 a port taken by someone else between choosing and binding (or a foreign server answering on it)
 is a bind failure, retried on fresh ports when the ports were chosen here, named when given.
+
+`triton.profile=hardened` (a host other machines reach) adds inference/triton/tls.py's flags: gRPC over
+TLS, API groups behind header keys, HTTP on loopback, model control off; the launcher's own readiness
+and warm-up calls then use TLS and the key like any client. The command line holds the keys: it is
+passed to the process and never logged.
 """
 
 from __future__ import annotations
