@@ -139,3 +139,25 @@ def test_a_bad_key_file_is_named_not_shown(pool: PoolFiles, tmp_path: Path) -> N
     with pytest.raises(FailedPrecondition) as info2:
         server_flags(hardened(pool, tls_server_key_file=pem))
     assert "c2VjcmV0" not in info2.value.message and str(pem) in info2.value.message
+
+
+@pytest.mark.parametrize(("details", "kind"), [
+    ("This protocol is restricted, expecting header 'triton-grpc-protocol-embedcar-key'", "refused"),
+    ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Tls handshake failed "
+     "(TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: CERTIFICATE_VERIFY_FAILED", "refused"),
+    ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed", "down"),
+    ("Connection reset by peer (SSL_ERROR_SYSCALL)", "down"),
+    ("failed to connect to all addresses; last error: Connection refused", "down"),
+])
+def test_refused_credentials_are_told_apart_from_an_outage(details: str, kind: str) -> None:
+    """The strings grpcio 1.85 and Triton 2.51 produce (seen in tests/test_triton_tls.py): a refusal is a
+    configuration error; a cut or refused connection stays Unavailable (failover, fallback)."""
+    import grpc
+
+    from inference.backends.triton import CredentialsRefused, map_error
+    from inference.errors import Unavailable
+
+    err = map_error(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                         details), "t1:8001")
+    assert isinstance(err, CredentialsRefused if kind == "refused" else Unavailable), err
+    assert err.message.startswith("Triton t1:8001:")
