@@ -442,3 +442,25 @@ async def test_load_test_reads_statistics_of_a_hardened_triton(hs: Settings, ser
         finally:
             await stats.close()
         assert (got is not None and "embedder" in got) == expect, credentials
+
+
+def test_catalog_job_embeds_through_hardened_triton(hs: Settings, tmp_path: Path, grocery_slice: Any,
+                                                    grocery_build: Any, onnx_backend: OnnxBackend) -> None:
+    """The batch job's own backend (`backend_kind="triton"`: the shared factory, hardened settings)."""
+    import asyncio
+
+    from catalog import store
+    from catalog.job import build
+    from catalog.sources import Loaded
+    from catalog.spec import BuildSpec
+    from tests.fixtures_catalog import catalog_settings_for
+
+    n = 48
+    s = catalog_settings_for(hs, tmp_path / "idx", in_flight=2)
+    summary = asyncio.run(build(s, BuildSpec(), backend_kind="triton", progress=False,
+                                loaded=Loaded(grocery_slice.products[:n], [], "slice")))
+    assert summary.model_id == onnx_backend.version_id
+    assert summary.version_dir is not None and grocery_build.version_dir is not None
+    got = np.load(summary.version_dir / store.VECTORS_FILE)
+    want = np.load(grocery_build.version_dir / store.VECTORS_FILE)[:n]
+    assert float(np.min(np.sum(got * want, axis=1))) > 0.9999
