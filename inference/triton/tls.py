@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from inference.errors import FailedPrecondition
-from inference.settings import TritonSettings
+from inference.settings import TritonSettings, env_name
 
 HARDENED = "hardened"
 GRPC_HEADER_PREFIX = "triton-grpc-protocol-"  # Triton prefixes the key name with this over gRPC
@@ -47,10 +47,16 @@ def new_key() -> str:
     return secrets.token_urlsafe(32)
 
 
+def _needs(setting_name: str, what: str) -> FailedPrecondition:
+    section, _, name = setting_name.partition(".")
+    return FailedPrecondition(f"the hardened Triton profile needs {setting_name} ({env_name(section, name)} or "
+                              f"--{name.replace('_', '-')}: {what})")
+
+
 def read_key(path: Path | None, setting_name: str) -> str:
     """The key in `path` (one line); FailedPrecondition naming the file, never showing its content."""
     if path is None:
-        raise FailedPrecondition(f"the hardened Triton profile needs {setting_name} (a file holding the key)")
+        raise _needs(setting_name, "a file holding the key; `embedcar triton certs` writes one")
     try:
         text = path.read_text().strip()
     except OSError as exc:
@@ -63,7 +69,7 @@ def read_key(path: Path | None, setting_name: str) -> str:
 
 def _read_pem(path: Path | None, setting_name: str) -> bytes:
     if path is None:
-        raise FailedPrecondition(f"the hardened Triton profile needs {setting_name}")
+        raise _needs(setting_name, "a PEM file; `embedcar triton certs` writes the pool's")
     try:
         return path.read_bytes()
     except OSError as exc:
