@@ -161,3 +161,25 @@ def test_refused_credentials_are_told_apart_from_an_outage(details: str, kind: s
                                          details), "t1:8001")
     assert isinstance(err, CredentialsRefused if kind == "refused" else Unavailable), err
     assert err.message.startswith("Triton t1:8001:")
+
+
+def test_the_fault_suite_finds_a_leaked_key(pool: PoolFiles, tmp_path: Path) -> None:
+    from loadtest.faults.common import check_no_key_material
+    from loadtest.faults.result import ScenarioResult
+
+    t = hardened(pool)
+    (tmp_path / "sidecar.log").write_text("INFO started\n")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "tritonserver.log").write_text("I1202 ready\n")
+    clean = ScenarioResult("x", "x")
+    check_no_key_material(clean, t, tmp_path)
+    assert clean.passed and clean.checks[0].measured.startswith("0 of 2")
+    key_body = "".join(pool.clients["sidecar"][1].read_text().splitlines()[1:-1])
+    for leak in (pool.client_key.read_text().strip(), key_body[10:60]):
+        (tmp_path / "a" / "tritonserver.log").write_text(f"I1202 oops {leak}\n")
+        leaked = ScenarioResult("x", "x")
+        check_no_key_material(leaked, t, tmp_path)
+        assert not leaked.passed and "tritonserver.log" in leaked.checks[0].measured
+    local = ScenarioResult("x", "x")
+    check_no_key_material(local, Settings.load(environ={}).triton, tmp_path)
+    assert not local.checks  # the local profile has no Triton keys to look for

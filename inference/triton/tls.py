@@ -215,3 +215,21 @@ def restricted_flags(client: str, operator: str) -> list[str]:
         f"--http-restricted-api={','.join(HTTP_CLIENT_GROUPS)}:{CLIENT_KEY_NAME}={client}",
         f"--http-restricted-api={','.join(OPERATOR_GROUPS)}:{OPERATOR_KEY_NAME}={operator}",
     ]
+
+
+_PIECE = 24
+
+
+def secret_markers(t: TritonSettings) -> list[str]:
+    """What must never appear in a log line: the keys, and each private key's PEM body cut into 24-character
+    pieces (random base64: any leaked run of 47 characters or more holds a whole piece). Empty in the
+    local profile."""
+    if not hardened(t):
+        return []
+    out = [read_key(p, name) for p, name in ((t.client_key_file, "triton.client_key_file"),
+                                             (t.operator_key_file, "triton.operator_key_file")) if p is not None]
+    for path in (t.tls_server_key_file, t.tls_client_key_file):
+        if path is not None and path.is_file():
+            body = "".join(line for line in path.read_text().splitlines() if not line.startswith("-----"))
+            out += [body[i:i + _PIECE] for i in range(0, len(body) - _PIECE + 1, _PIECE)]
+    return [m for m in out if m]
