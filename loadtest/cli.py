@@ -24,6 +24,7 @@ from inference.embedder import load_tokenizer
 from inference.errors import InvalidInput
 from inference.flags import flag_overrides
 from inference.manifest import load_manifest
+from inference.triton.tls import client_credentials
 from loadtest.native import NativeTarget
 from loadtest.proc_cpu import CpuMeter
 from loadtest.queries import QueryMix
@@ -127,8 +128,8 @@ def _remote_target(spec: TargetSpec, args: argparse.Namespace, settings: Setting
                                "their addresses comma-separated (--sidecar / --http-url)")
         raw = args.http_url if spec.target == "http" else args.sidecar
         addresses = [a.strip() for a in raw.split(",") if a.strip()]
-        members = [sidecar_target(spec.target, a, a, api_key=api_key, k=args.k, triton_stats_url=stats)
-                   for a in addresses]
+        members = [sidecar_target(spec.target, a, a, api_key=api_key, k=args.k, triton_stats_url=stats,
+                                  triton_credentials=client_credentials(settings.triton)) for a in addresses]
         return members[0] if len(members) == 1 else PoolTarget(members)
     if spec.target == "baseline":
         return HttpEmbedTarget(args.baseline_url, name="baseline")
@@ -140,7 +141,8 @@ def _remote_target(spec: TargetSpec, args: argparse.Namespace, settings: Setting
     if spec.target == "inprocess":
         return InProcessTarget.for_model(settings.model)
     urls = args.triton_url or list(settings.triton.urls)
-    return TritonTarget(urls, settings.model.model_dir, variant=settings.model.variant)
+    return TritonTarget(urls, settings.model.model_dir, variant=settings.model.variant,
+                        credentials=client_credentials(settings.triton))
 
 
 def main(args: argparse.Namespace) -> int:

@@ -17,12 +17,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 from inference.backends.factory import check_kind
 from inference.errors import EmbedcarError, InvalidInput, Unavailable
 from inference.lifecycle import terminate
 from inference.ports import free_port
+from inference.triton.tls import ClientCredentials, client_credentials
 from loadtest.baseline import BaselineServer
 from loadtest.targets import (
     TARGETS,
@@ -234,7 +235,7 @@ def start_stack(spec: TargetSpec, settings: Settings, stack: contextlib.ExitStac
         triton_url = server.grpc_url
     if spec.target == "triton":
         assert triton_url is not None
-        return TritonTarget([triton_url], model_dir, variant=variant)
+        return TritonTarget([triton_url], model_dir, variant=variant, credentials=client_credentials(settings.triton))
     if spec.target == "sidecar-search" and index_dir is None:
         from catalog.job import ensure_index
         from catalog.sources import GROCERY_SOURCE
@@ -258,20 +259,24 @@ def start_stack(spec: TargetSpec, settings: Settings, stack: contextlib.ExitStac
                                                 index_dir=index_dir, log_file=log_file, extra_env=env))
         _note(started, f"sidecar{suffix}", sc.pid)
         members.append(sidecar_target(spec.target, sc.grpc_target, sc.http_url, api_key=api_key, k=k,
-                                      triton_stats_url=triton_url))
+                                      triton_stats_url=triton_url,
+                                      triton_credentials=client_credentials(settings.triton)))
     return members[0] if n == 1 else PoolTarget(members)
 
 
 def sidecar_target(kind: str, grpc_target: str, http_url: str, *, api_key: str | None, k: int = 10,
-                   triton_stats_url: str | None = None) -> Target:
-    """The target of one sidecar for a target kind of SIDECAR_TARGETS."""
+                   triton_stats_url: str | None = None, triton_credentials: ClientCredentials | None = None
+                   ) -> Target:
+    """The target of one sidecar for a target kind of SIDECAR_TARGETS (`triton_credentials`: a hardened
+    Triton's, for its statistics)."""
+    stats: dict[str, Any] = {"triton_stats_url": triton_stats_url, "triton_credentials": triton_credentials}
     if kind == "sidecar-search":
-        return SidecarSearchTarget(grpc_target, api_key=api_key, k=k, triton_stats_url=triton_stats_url)
+        return SidecarSearchTarget(grpc_target, api_key=api_key, k=k, **stats)
     if kind == "http":
-        return HttpEmbedTarget(http_url, api_key=api_key, triton_stats_url=triton_stats_url)
+        return HttpEmbedTarget(http_url, api_key=api_key, **stats)
     if kind == "sidecar-stream":
-        return SidecarStreamTarget(grpc_target, api_key=api_key, triton_stats_url=triton_stats_url)
-    return SidecarEmbedTarget(grpc_target, api_key=api_key, triton_stats_url=triton_stats_url)
+        return SidecarStreamTarget(grpc_target, api_key=api_key, **stats)
+    return SidecarEmbedTarget(grpc_target, api_key=api_key, **stats)
 
 
 def _note(pids: dict[str, int], name: str, pid: int | None) -> None:

@@ -19,6 +19,7 @@ from inference.errors import DeadlineExceeded, Internal, InvalidInput, Unavailab
 
 if TYPE_CHECKING:
     from inference.settings import ModelSettings
+    from inference.triton.tls import ClientCredentials
 
 Timings = dict[str, int]
 
@@ -92,12 +93,12 @@ class SidecarEmbedTarget(Target):
     stream = False  # Embed as messages on one open Stream call instead of a unary call each
 
     def __init__(self, grpc_target: str, *, api_key: str | None = None, float16: bool = False,
-                 triton_stats_url: str | None = None) -> None:
+                 triton_stats_url: str | None = None, triton_credentials: ClientCredentials | None = None) -> None:
         self.grpc_target = grpc_target
         self.api_key = api_key
         self.float16 = float16
         self._client: Any = None
-        self._stats = TritonStats(triton_stats_url) if triton_stats_url else None
+        self._stats = TritonStats(triton_stats_url, triton_credentials) if triton_stats_url else None
         self.model = ""
 
     async def start(self) -> None:
@@ -140,8 +141,9 @@ class SidecarSearchTarget(SidecarEmbedTarget):
     name = "sidecar-search"
 
     def __init__(self, grpc_target: str, *, api_key: str | None = None, k: int = 10,
-                 triton_stats_url: str | None = None) -> None:
-        super().__init__(grpc_target, api_key=api_key, triton_stats_url=triton_stats_url)
+                 triton_stats_url: str | None = None, triton_credentials: ClientCredentials | None = None) -> None:
+        super().__init__(grpc_target, api_key=api_key, triton_stats_url=triton_stats_url,
+                         triton_credentials=triton_credentials)
         self.k = k
         self.index_version = ""
 
@@ -165,13 +167,13 @@ class HttpEmbedTarget(Target):
 
     def __init__(self, base_url: str, *, api_key: str | None = None, name: str | None = None,
                  triton_stats_url: str | None = None, path: str = "/v1/embeddings",
-                 model: str | None = None) -> None:
+                 model: str | None = None, triton_credentials: ClientCredentials | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.path = path
         self._body_model = model
         self._headers = {"x-api-key": api_key} if api_key else {}
         self._client: Any = None
-        self._stats = TritonStats(triton_stats_url) if triton_stats_url else None
+        self._stats = TritonStats(triton_stats_url, triton_credentials) if triton_stats_url else None
         self.model = ""
         if name:
             self.name = name
@@ -230,8 +232,9 @@ class TritonTarget(Target):
     name = "triton"
 
     def __init__(self, urls: Sequence[str], model_dir: Path, *, variant: str | None = None,
-                 model_name: str = "embedder") -> None:
+                 model_name: str = "embedder", credentials: ClientCredentials | None = None) -> None:
         self.urls = list(urls)
+        self.credentials = credentials  # a hardened pool: TLS, the client key (and the operator's for statistics)
         self.model_dir = model_dir
         self.variant = variant
         self.model_name = model_name
@@ -245,7 +248,8 @@ class TritonTarget(Target):
 
         manifest = load_manifest(self.model_dir)
         self._tokenizer = load_tokenizer(self.model_dir, manifest)
-        self._backend = TritonBackend(self.urls, manifest, variant=self.variant, model_name=self.model_name)
+        self._backend = TritonBackend(self.urls, manifest, variant=self.variant, model_name=self.model_name,
+                                      credentials=self.credentials)
         await self._backend.start()
 
     async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
@@ -329,20 +333,25 @@ class TritonStats:
     server-side queue/compute split over the run window.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, credentials: ClientCredentials | None = None) -> None:
         self.url = url
+        self.credentials = credentials  # a hardened Triton: TLS, and statistics need the operator key
         self._client: Any = None
 
     async def start(self) -> None:
         import tritonclient.grpc.aio as grpcclient
 
-        self._client = grpcclient.InferenceServerClient(self.url)
+        c = self.credentials
+        self._client = grpcclient.InferenceServerClient(self.url) if c is None else grpcclient.InferenceServerClient(
+            self.url, creds=c.channel_credentials(), channel_args=c.channel_options() or None)
 
     async def read(self) -> dict[str, dict[str, int]] | None:
         if self._client is None:
             return None
+        c = self.credentials
+        headers = dict(c.metadata + c.operator_metadata) if c is not None else None
         try:
-            raw = await self._client.get_inference_statistics(as_json=True, client_timeout=5.0)
+            raw = await self._client.get_inference_statistics(as_json=True, headers=headers, client_timeout=5.0)
         except Exception:  # statistics are a report extra: a failed read must not fail the run
             return None
         from inference.backends.triton import flatten_statistics

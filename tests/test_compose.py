@@ -14,6 +14,7 @@ import pytest
 from demo_ui.settings import Settings
 from inference.manifest import Manifest
 from inference.triton.repository import PLAN_FILE
+from inference.triton.tls import LOCKED_FLAGS, restricted_flags
 
 # PyYAML arrives with uvicorn[standard]; imported untyped so the check holds with or without its stubs.
 yaml: Any = importlib.import_module("yaml")
@@ -46,7 +47,8 @@ def _env(service: dict[str, Any]) -> dict[str, str]:
 
 
 def _entry(service: dict[str, Any]) -> str:
-    return " ".join(str(x) for x in service["entrypoint"])
+    """The entrypoint as the shell receives it (compose turns `$$` into `$`)."""
+    return " ".join(str(x) for x in service["entrypoint"]).replace("$$", "$")
 
 
 def test_services_present(compose: dict[str, Any]) -> None:
@@ -74,12 +76,50 @@ def test_triton_ports_match_settings(compose: dict[str, Any]) -> None:
     s = DEFAULTS.triton
     for flag, port in (("grpc", s.grpc_port), ("http", s.http_port), ("metrics", s.metrics_port)):
         assert f"--{flag}-port={port}" in entry
+    for port in (s.grpc_port, s.metrics_port):
         assert _ports(t)[port] == ("127.0.0.1", port)
+    # HTTP: the container's own loopback, for its healthcheck; never published.
+    assert f"--http-address=127.0.0.1 --http-port={s.http_port}" in entry and s.http_port not in _ports(t)
     assert f"localhost:{s.http_port}/v2/health/ready" in " ".join(t["healthcheck"]["test"])
 
 
-def test_entrypoint_builds_engine_into_cache_then_serves(compose: dict[str, Any], manifest: Manifest) -> None:
+def _mounts(service: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+    """container path -> (source, read-only)."""
+    out = {}
+    for v in service["volumes"]:
+        parts = v.split(":")
+        out[parts[1]] = (parts[0], parts[2:] == ["ro"])
+    return out
+
+
+def test_triton_is_hardened(compose: dict[str, Any]) -> None:
+    """TLS (mutual), the API groups of inference/triton/tls.py behind the key files, model control off,
+    repository read-only, not root; the sidecar and the catalog job are clients of that profile."""
     t = compose["services"]["triton"]
+    entry = _entry(t)
+    mounts = _mounts(t)
+    secrets_dir = next(c for c, (src, _ro) in mounts.items() if src == "./var/secrets/triton")
+    assert mounts[secrets_dir][1], "secrets read-only"
+    for flag in ("--grpc-use-ssl=true", "--grpc-use-ssl-mutual=true", f"--grpc-root-cert={secrets_dir}/ca.pem",
+                 *LOCKED_FLAGS,
+                 *restricted_flags(f"$(cat {secrets_dir}/client_key.txt)", f"$(cat {secrets_dir}/operator_key.txt)")):
+        assert flag in entry, flag
+    repo = re.search(r"--model-repository=(\S+)", entry)
+    assert repo and mounts[repo.group(1)][1], "the model repository is mounted read-only"
+    uid = _unset(t["user"]).split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, "not root"
+    for name in ("sidecar", "catalog"):
+        svc = compose["services"][name]
+        s = Settings.load(environ=_env(svc)).triton
+        client_mounts = _mounts(svc)
+        assert s.profile == "hardened", name
+        for f in (s.tls_ca_file, s.tls_client_cert_file, s.tls_client_key_file, s.client_key_file):
+            assert f is not None and f.parent.as_posix() in client_mounts, (name, f)
+            assert client_mounts[f.parent.as_posix()] == ("./var/secrets/triton", True)
+
+
+def test_entrypoint_builds_engine_into_cache_then_serves(compose: dict[str, Any], manifest: Manifest) -> None:
+    t = compose["services"]["triton-engine"]
     entry = _entry(t)
     mounts = {v.split(":")[1]: v.split(":")[0] for v in t["volumes"]}
     script = re.search(r"python3 (\S+trt_engine\.py)", entry)
@@ -97,10 +137,12 @@ def test_entrypoint_builds_engine_into_cache_then_serves(compose: dict[str, Any]
     assert _env(t)["EMBEDCAR_MODEL_NAME"] == DEFAULTS.model.name
     install = re.search(r"--install (\S+)", entry)
     assert install and install.group(1).endswith(f"/encoder/1/{PLAN_FILE}")
-    repo = re.search(r"--model-repository=(\S+)", entry)
+    served = compose["services"]["triton"]
+    repo = re.search(r"--model-repository=(\S+)", _entry(served))
     assert repo and install.group(1).startswith(repo.group(1) + "/")
-    assert entry.index("trt_engine.py") < entry.index("exec tritonserver"), "engine first, then serve"
-    assert "&&" in entry, "a failed build must not start a server without its engine"
+    assert mounts[repo.group(1)] == _mounts(served)[repo.group(1)][0], "installed into the repository Triton serves"
+    # Engine first, then serve: a failed build must not start a server without its engine.
+    assert served["depends_on"]["triton-engine"]["condition"] == "service_completed_successfully"
 
 
 def test_repo_service_writes_the_gpu_repository(compose: dict[str, Any]) -> None:
@@ -116,7 +158,10 @@ def test_repo_service_writes_the_gpu_repository(compose: dict[str, Any]) -> None
     assert repo and t_vol[repo.group(1)] == vol_of[out]
     project_root = cmd[cmd.index("--project-root") + 1]
     assert f"{project_root}/inference" in t_vol
-    assert compose["services"]["triton"]["depends_on"]["triton-repo"]["condition"] == \
+    # The repository is complete (engine installed) before Triton starts: repo -> engine -> triton.
+    assert compose["services"]["triton-engine"]["depends_on"]["triton-repo"]["condition"] == \
+        "service_completed_successfully"
+    assert compose["services"]["triton"]["depends_on"]["triton-engine"]["condition"] == \
         "service_completed_successfully"
 
 
@@ -152,8 +197,10 @@ def test_every_published_port_is_loopback(compose: dict[str, Any]) -> None:
 def test_a_pool_is_set_by_variables_that_default_to_one_host(compose: dict[str, Any]) -> None:
     # docs/scale.md: Triton hosts publish on EMBEDCAR_PUBLISH_ADDR; search nodes and the job read the
     # pool from EMBEDCAR_TRITON_URLS. Unset, both give the single-host stack checked above.
-    for p in compose["services"]["triton"]["ports"]:
-        assert str(p).startswith("${EMBEDCAR_PUBLISH_ADDR:-127.0.0.1}:")
+    # gRPC on the pool's private interface, metrics on the monitoring one.
+    published = {str(p).rsplit(":", 1)[1]: str(p) for p in compose["services"]["triton"]["ports"]}
+    assert published[str(DEFAULTS.triton.grpc_port)].startswith("${EMBEDCAR_PUBLISH_ADDR:-127.0.0.1}:")
+    assert published[str(DEFAULTS.triton.metrics_port)].startswith("${EMBEDCAR_METRICS_ADDR:-127.0.0.1}:")
     for name in ("sidecar", "catalog"):
         raw = compose["services"][name]["environment"]["EMBEDCAR_TRITON_URLS"]
         assert raw.startswith("${EMBEDCAR_TRITON_URLS:-")

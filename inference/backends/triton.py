@@ -28,6 +28,7 @@ from inference.backends.base import Backend, Embeddings
 from inference.errors import DeadlineExceeded, EmbedcarError, FailedPrecondition, Internal, InvalidInput, Unavailable
 from inference.manifest import Manifest
 from inference.tokenizer import TokenBatch
+from inference.triton.tls import ClientCredentials
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,18 @@ EXPIRED = "request timeout expired before the encoder ran"
 POOL_SKIP_PARAM = "embedcar_pool_skip"
 
 
+class CredentialsRefused(FailedPrecondition):
+    """A hardened Triton refused this client's TLS handshake or key (or the client refused Triton's
+    certificate): configuration, not an outage. A start-up error; at run time that URL is steered around."""
+
+
+# What gRPC and Triton say when credentials, not the network, failed (checked against grpcio 1.85 and
+# Triton 2.51 by tests/test_triton_tls.py).
+# Narrow on purpose: a connection cut mid-call (SSL_ERROR_SYSCALL, "Socket closed") is an outage.
+_CREDENTIAL_FAILURES = ("protocol is restricted", "handshake failed", "certificate_verify", "certificate verify",
+                        "tsi_protocol_failure")
+
+
 def map_error(exc: Exception, url: str) -> EmbedcarError:
     """gRPC/tritonclient error -> the project's type (the one place this mapping lives)."""
     import grpc
@@ -60,6 +73,8 @@ def map_error(exc: Exception, url: str) -> EmbedcarError:
         status, msg = str(exc.status() or ""), f"Triton {url}: {exc.message()}"
     else:
         return Internal(f"Triton {url}: {type(exc).__name__}: {exc}")
+    if any(m in msg.lower() for m in _CREDENTIAL_FAILURES):
+        return CredentialsRefused(msg)
     # Triton rejects a request whose queue timeout expired with UNAVAILABLE: that is a deadline.
     if "DEADLINE_EXCEEDED" in status or "timeout expired" in msg.lower():
         return DeadlineExceeded(msg)
@@ -91,6 +106,7 @@ class _Endpoint:
     stub: Any  # tritonclient's GRPCInferenceServiceStub on that channel
     up: bool = False
     down_since: float = 0.0
+    error: EmbedcarError | None = None  # why the latest probe failed (start-up names it)
 
 
 class TritonBackend(Backend):
@@ -99,7 +115,7 @@ class TritonBackend(Backend):
 
     def __init__(self, urls: Sequence[str], manifest: Manifest, *, variant: str | None = None,
                  model_name: str = "embedder", timeout_s: float = 2.0, max_batch: int = 256,
-                 probe_interval_s: float = 0.5) -> None:
+                 probe_interval_s: float = 0.5, credentials: ClientCredentials | None = None) -> None:
         if not urls:
             raise InvalidInput("TritonBackend needs at least one URL")
         self.manifest = manifest
@@ -111,6 +127,10 @@ class TritonBackend(Backend):
         self.model_name = model_name
         self.timeout_s = timeout_s
         self.probe_interval_s = probe_interval_s
+        # Hardened pool: TLS channels, and the key header on every call (the operator's on statistics).
+        self.credentials = credentials
+        self._md = credentials.metadata if credentials else None
+        self._stats_md = (credentials.metadata + credentials.operator_metadata) if credentials else None
         self._endpoints: list[_Endpoint] = []
         self._rr = itertools.count()
         self._probe_task: asyncio.Task[None] | None = None
@@ -122,7 +142,7 @@ class TritonBackend(Backend):
         import grpc
         from tritonclient.grpc import service_pb2_grpc
 
-        channel = grpc.aio.insecure_channel(url, options=[
+        options = [
             ("grpc.max_send_message_length", _MAX_MSG),
             ("grpc.max_receive_message_length", _MAX_MSG),
             # Pings only while calls are in flight: Triton's default server policy answers idle pings
@@ -135,7 +155,12 @@ class TritonBackend(Backend):
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
-        ])
+        ]
+        if self.credentials is None:
+            channel = grpc.aio.insecure_channel(url, options=options)
+        else:  # never a plaintext retry: a TLS channel fails or speaks TLS
+            channel = grpc.aio.secure_channel(url, self.credentials.channel_credentials(),
+                                              options=options + self.credentials.channel_options())
         return _Endpoint(url, channel, service_pb2_grpc.GRPCInferenceServiceStub(channel))
 
     async def start(self) -> None:
@@ -143,14 +168,19 @@ class TritonBackend(Backend):
         if not self._endpoints:
             self._endpoints = [self._endpoint(u) for u in self.urls]
         await asyncio.gather(*(self._probe(ep) for ep in self._endpoints))
+        # A URL that refuses our credentials is misconfigured, not down: start-up fails and names it.
+        refused = [ep.error for ep in self._endpoints if isinstance(ep.error, CredentialsRefused)]
+        if refused:
+            raise CredentialsRefused("; ".join(e.message for e in refused))
         live = [ep for ep in self._endpoints if ep.up]
         if not live:
-            raise Unavailable(f"no Triton server ready at {', '.join(self.urls)}")
+            why = "; ".join(ep.error.message for ep in self._endpoints if ep.error is not None)
+            raise Unavailable(f"no Triton server ready at {', '.join(self.urls)}" + (f" ({why})" if why else ""))
         from tritonclient.grpc import service_pb2 as pb
 
         try:
             meta = await live[0].stub.ModelMetadata(pb.ModelMetadataRequest(name=self.model_name),
-                                                    timeout=self.timeout_s)
+                                                    timeout=self.timeout_s, metadata=self._md)
         except Exception as exc:
             raise map_error(exc, live[0].url) from exc
         await self._check_variant(live[0])
@@ -171,7 +201,8 @@ class TritonBackend(Backend):
         from inference.triton.repository import VARIANT_ID_PARAM
 
         try:
-            reply = await ep.stub.ModelConfig(pb.ModelConfigRequest(name=self.model_name), timeout=self.timeout_s)
+            reply = await ep.stub.ModelConfig(pb.ModelConfigRequest(name=self.model_name), timeout=self.timeout_s,
+                                              metadata=self._md)
         except Exception as exc:
             raise map_error(exc, ep.url) from exc
         param = reply.config.parameters.get(VARIANT_ID_PARAM)
@@ -198,10 +229,18 @@ class TritonBackend(Backend):
         from tritonclient.grpc import service_pb2 as pb
 
         try:
-            reply = await ep.stub.ModelReady(pb.ModelReadyRequest(name=self.model_name), timeout=self.timeout_s)
+            reply = await ep.stub.ModelReady(pb.ModelReadyRequest(name=self.model_name), timeout=self.timeout_s,
+                                             metadata=self._md)
             ok = bool(reply.ready)
-        except Exception:
+            ep.error = None if ok else Unavailable(f"Triton {ep.url}: model {self.model_name} not ready")
+        except Exception as exc:
             ok = False
+            ep.error = map_error(exc, ep.url)
+            if self.credentials is not None and "socket closed" in ep.error.message.lower():
+                # What a mutual-TLS Triton's refusal of our certificate looks like from here.
+                ep.error = Unavailable(f"{ep.error.message} (over TLS: Triton closes the connection when it "
+                                       "requires a client certificate from its CA and this one is missing or "
+                                       "from another CA, or when the port does not speak TLS)")
         self._mark(ep, ok)
 
     def _mark(self, ep: _Endpoint, up: bool) -> None:
@@ -280,10 +319,10 @@ class TritonBackend(Backend):
         failed: list[tuple[EmbedcarError, Exception]] = []
         for ep in self._order():
             try:
-                emb = self._embedding(await ep.stub.ModelInfer(request, timeout=timeout))
+                emb = self._embedding(await ep.stub.ModelInfer(request, timeout=timeout, metadata=self._md))
             except Exception as exc:
                 err = map_error(exc, ep.url)
-                if isinstance(err, Unavailable):
+                if isinstance(err, Unavailable | CredentialsRefused):
                     self._mark(ep, False)
                     failed.append((err, exc))
                     continue  # another URL may be up; embeddings are idempotent, so retry is safe
@@ -305,7 +344,8 @@ class TritonBackend(Backend):
             from tritonclient.grpc import service_pb2 as pb
 
             try:
-                reply = await ep.stub.ModelStatistics(pb.ModelStatisticsRequest(), timeout=self.timeout_s)
+                reply = await ep.stub.ModelStatistics(pb.ModelStatisticsRequest(), timeout=self.timeout_s,
+                                                      metadata=self._stats_md)
             except Exception as exc:
                 raise map_error(exc, ep.url) from exc
             raw = MessageToDict(reply, preserving_proto_field_name=True)

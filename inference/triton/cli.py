@@ -36,8 +36,18 @@ def register(sub: Any) -> None:
     serve = tsub.add_parser("serve", help="run the bundled tritonserver on the CPU repository until Ctrl-C")
     common(serve)
     add_flags(serve, "triton", TritonSettings, "grpc_port", "http_port", "metrics_port", "max_queue_delay_us",
-              "cpu_instances")
+              "cpu_instances", "host", "metrics_host", "profile", "tls_ca_file", "tls_server_cert_file",
+              "tls_server_key_file", "tls_mutual", "client_key_file", "operator_key_file")
     serve.set_defaults(func=_serve)
+
+    certs = tsub.add_parser("certs", help="a private CA, per-host and per-client certificates and the two API "
+                            "keys for a hardened Triton pool (keys written 0600; an existing CA is kept)")
+    certs.add_argument("--hosts", required=True, help="Triton host names or addresses, comma-separated (each "
+                       "certificate also names localhost and 127.0.0.1)")
+    certs.add_argument("--clients", default="sidecar",
+                       help="client certificate names for mutual TLS, comma-separated (default: sidecar)")
+    certs.add_argument("--out", type=Path, default=Path("var/secrets/triton"), help="output folder")
+    certs.set_defaults(func=_certs)
 
     eng = tsub.add_parser("build-engine", help="build/reuse the TensorRT engine (needs a GPU and trtexec)")
     common(eng)
@@ -75,6 +85,21 @@ def _serve(args: argparse.Namespace) -> int:
             return 0
         finally:
             server.stop()
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from inference.triton.certs import make_pool_certs
+
+    def names(raw: str) -> list[str]:
+        return [n.strip() for n in raw.split(",") if n.strip()]
+
+    files = make_pool_certs(args.out, names(args.hosts), names(args.clients))
+    print(f"CA: {files.ca_cert}")
+    for kind, made in (("host", files.hosts), ("client", files.clients)):
+        for name, (cert, key) in made.items():
+            print(f"{kind} {name}: {cert} (key {key}, 0600)")
+    print(f"keys: {files.client_key} (sidecars, catalog job), {files.operator_key} (operator), 0600")
+    return 0
 
 
 def _build_engine(args: argparse.Namespace) -> int:

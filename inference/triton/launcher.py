@@ -8,6 +8,11 @@ backend stub outlives the server; `kill()` is SIGKILL for fault tests.
 Start-up is ready only when this process listens on its own ports and answers over HTTP and gRPC:
 a port taken by someone else between choosing and binding (or a foreign server answering on it)
 is a bind failure, retried on fresh ports when the ports were chosen here, named when given.
+
+`triton.profile=hardened` (a host other machines reach) adds inference/triton/tls.py's flags: gRPC over
+TLS, API groups behind header keys, HTTP on loopback, model control off; the launcher's own readiness
+and warm-up calls then use TLS and the key like any client. The command line holds the keys: it is
+passed to the process and never logged.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Self
+from typing import IO, Any, Self
 
 import numpy as np
 
@@ -38,6 +43,7 @@ from inference.errors import ModelError, Unavailable
 from inference.manifest import Manifest, load_manifest
 from inference.settings import Settings
 from inference.triton.repository import ENSEMBLE, generate_repository, stub_sys_path
+from inference.triton.tls import ServerFlags, hardened, read_key, server_flags
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +207,13 @@ class TritonServer:
         self.settings = settings
         self.extra_args = list(extra_args)  # more tritonserver flags, e.g. tracing for a benchmark
         self.variant = variant or settings.model.served_variant()
-        self.host = settings.triton.host
+        t = settings.triton
+        self.host = t.host
+        # Hardened: HTTP only on loopback (the healthcheck), metrics where the operator says (loopback by default).
+        self.hardened = hardened(t)
+        self.http_host = "127.0.0.1" if self.hardened else t.host
+        self.metrics_host = t.metrics_host or ("127.0.0.1" if self.hardened else t.host)
+        self._flags: ServerFlags | None = None
         # 0/None = chosen by start(), right before Popen (a port picked earlier can be gone by then).
         self.grpc_port = grpc_port or 0
         self.http_port = http_port or 0
@@ -223,11 +235,11 @@ class TritonServer:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        return f"http://{self.http_host}:{self.http_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.metrics_port}/metrics"
+        return f"http://{self.metrics_host}:{self.metrics_port}/metrics"
 
     @property
     def log_file(self) -> Path:
@@ -244,13 +256,12 @@ class TritonServer:
         """The process is alive and says over its own gRPC port that it and the ensemble are ready."""
         if not self.running():
             return False
-        import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
-        client = grpcclient.InferenceServerClient(self.grpc_url)
+        client, headers = self.grpc_client()
         try:
-            return bool(client.is_server_ready(client_timeout=timeout_s)
-                        and client.is_model_ready(ENSEMBLE, client_timeout=timeout_s))
+            return bool(client.is_server_ready(headers=headers, client_timeout=timeout_s)
+                        and client.is_model_ready(ENSEMBLE, headers=headers, client_timeout=timeout_s))
         except InferenceServerException:
             return False
         finally:
@@ -274,6 +285,30 @@ class TritonServer:
     def port_of(self, kind: str) -> int:
         return int(getattr(self, f"{kind}_port"))
 
+    def host_of(self, kind: str) -> str:
+        return {"grpc": self.host, "http": self.http_host, "metrics": self.metrics_host}[kind]
+
+    def grpc_client(self) -> tuple[Any, dict[str, str] | None]:
+        """A tritonclient gRPC client of this server and the headers its calls need (hardened: TLS + key).
+
+        Under mutual TLS the launcher presents the client certificate when one is set, else the host's
+        own (`embedcar triton certs` gives host certificates the client usage too)."""
+        import tritonclient.grpc as grpcclient
+
+        t = self.settings.triton
+        if not self.hardened:
+            return grpcclient.InferenceServerClient(self.grpc_url), None
+        from inference.triton.tls import CLIENT_KEY_NAME, GRPC_HEADER_PREFIX
+
+        own = t.tls_client_cert_file is None
+        name = t.tls_server_name or ("localhost" if self.host in _WILDCARDS else "")
+        client = grpcclient.InferenceServerClient(
+            self.grpc_url, ssl=True, root_certificates=str(t.tls_ca_file),
+            certificate_chain=str(t.tls_server_cert_file if own else t.tls_client_cert_file),
+            private_key=str(t.tls_server_key_file if own else t.tls_client_key_file),
+            channel_args=[("grpc.ssl_target_name_override", name)] if name else None)
+        return client, {GRPC_HEADER_PREFIX + CLIENT_KEY_NAME: read_key(t.client_key_file, "triton.client_key_file")}
+
     # --- lifecycle -------------------------------------------------------------------------
     def command(self) -> list[str]:
         t = self.settings.triton
@@ -285,12 +320,13 @@ class TritonServer:
             f"--model-repository={self.repo}",
             f"--backend-directory={assemble_backend_dir(t.backend_dir)}",
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
-            f"--http-address={self.host}", f"--http-port={self.http_port}",
-            f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+            f"--http-address={self.http_host}", f"--http-port={self.http_port}",
+            f"--metrics-address={self.metrics_host}", f"--metrics-port={self.metrics_port}",
             f"--backend-config=python,shm-default-byte-size={t.shm_default_mb * mib}",
             f"--backend-config=python,shm-growth-byte-size={t.shm_growth_mb * mib}",
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
             "--strict-readiness=true", "--exit-timeout-secs=5", "--log-verbose=0",
+            *(self._flags.args if self._flags else ()),  # holds the keys: never logged
             *self.extra_args,
         ]
 
@@ -310,6 +346,8 @@ class TritonServer:
             raise Unavailable(reason)
         if self.running():
             return self
+        # Every certificate, key and key file checked before anything starts (named if wrong).
+        self._flags = server_flags(self.settings.triton) if self.hardened else None
         model_dir = self.settings.model.model_dir
         manifest = load_manifest(model_dir)
         # One folder per variant: servers of different variants may start side by side from one checkout.
@@ -351,8 +389,9 @@ class TritonServer:
         with contextlib.ExitStack() as stack:
             out: dict[str, int] = {}
             for kind in kinds:
-                s = stack.enter_context(socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET))
-                s.bind((self.host, 0))
+                host = self.host_of(kind)
+                s = stack.enter_context(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET))
+                s.bind((host, 0))
                 out[kind] = int(s.getsockname()[1])
             return out
 
@@ -368,12 +407,12 @@ class TritonServer:
 
     def _describe_port(self, kind: str) -> str:
         how = "given" if kind in self.given_ports else "chosen automatically"
-        return f"{_KIND_NAMES[kind]} port {self.host}:{self.port_of(kind)} ({how})"
+        return f"{_KIND_NAMES[kind]} port {self.host_of(kind)}:{self.port_of(kind)} ({how})"
 
     def _foreign(self) -> dict[str, set[int]]:
         """Port kind -> the sockets some other process listens with there (tritonserver cannot bind it)."""
         assert self._proc is not None
-        found = {k: listening_sockets(self.port_of(k), self.host) for k in self._port_kinds()}
+        found = {k: listening_sockets(self.port_of(k), self.host_of(k)) for k in self._port_kinds()}
         # Read our sockets after the listeners: a socket is ours in /proc/<pid>/fd before it listens.
         ours = socket_inodes(self._proc.pid)
         return {k: ls for k, ls in found.items() if ls and not ls & ours}
@@ -381,7 +420,7 @@ class TritonServer:
     def _owns_ports(self) -> bool:
         """Every port is listened on by this tritonserver (True where /proc cannot tell)."""
         assert self._proc is not None
-        found = [listening_sockets(self.port_of(k), self.host) for k in self._port_kinds()]
+        found = [listening_sockets(self.port_of(k), self.host_of(k)) for k in self._port_kinds()]
         ours = socket_inodes(self._proc.pid)
         return all(ls is None or ls & ours for ls in found)
 
@@ -398,12 +437,11 @@ class TritonServer:
 
     def _wait_ready(self, timeout_s: float) -> None:
         """Ready = alive, every port ours, HTTP ready and gRPC ServerReady + ModelReady(ensemble)."""
-        import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
         deadline = time.monotonic() + timeout_s
         url = f"{self.http_url}/v2/health/ready"
-        client = grpcclient.InferenceServerClient(self.grpc_url)
+        client, headers = self.grpc_client()
         try:
             while time.monotonic() < deadline:
                 if self._proc is None or self._proc.poll() is not None:
@@ -416,8 +454,8 @@ class TritonServer:
                                       frozenset(foreign))
                 if self._http_ready(url) and self._owns_ports():
                     with contextlib.suppress(InferenceServerException):
-                        if client.is_server_ready(client_timeout=5.0) and \
-                                client.is_model_ready(ENSEMBLE, client_timeout=5.0):
+                        if client.is_server_ready(headers=headers, client_timeout=5.0) and \
+                                client.is_model_ready(ENSEMBLE, headers=headers, client_timeout=5.0):
                             return
                 time.sleep(0.1)
         finally:
@@ -435,7 +473,7 @@ class TritonServer:
         import tritonclient.grpc as grpcclient
 
         m = manifest or load_manifest(self.settings.model.model_dir)
-        client = grpcclient.InferenceServerClient(self.grpc_url)
+        client, headers = self.grpc_client()
         try:
             for n in m.buckets:
                 for b in (1, 2):
@@ -448,7 +486,7 @@ class TritonServer:
                         inp = grpcclient.InferInput(name, list(arr.shape), "INT32")
                         inp.set_data_from_numpy(arr)
                         inputs.append(inp)
-                    client.infer(ENSEMBLE, inputs, client_timeout=60.0)
+                    client.infer(ENSEMBLE, inputs, headers=headers, client_timeout=60.0)
         except Exception as exc:
             raise ModelError(f"Triton warm-up failed: {exc}; log tail:\n{self.log_tail()}") from exc
         finally:

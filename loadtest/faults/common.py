@@ -16,6 +16,8 @@ from demo_ui.settings import Settings
 from inference.embedder import load_tokenizer
 from inference.errors import DeadlineExceeded
 from inference.manifest import load_manifest
+from inference.settings import TritonSettings
+from loadtest.faults.result import ScenarioResult
 from loadtest.queries import QueryMix
 from loadtest.runner import OK, RunConfig, RunResult, Sample, run_load
 from loadtest.targets import SidecarEmbedTarget, Timings
@@ -124,3 +126,19 @@ def rss_mb(pid: int | None, field: str = "VmRSS") -> float | None:
 
 def fmt(x: float | None, digits: int = 1) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
+
+
+def check_no_key_material(res: ScenarioResult, t: TritonSettings, work: Path) -> None:
+    """A hardened run: no Triton key or private key in any log the scenario's processes wrote under `work`
+    (the sidecars' and tritonserver's), as the auth scenario checks for API keys."""
+    from inference.triton.tls import secret_markers
+
+    markers = secret_markers(t)
+    if not markers:
+        return
+    logs = sorted(work.rglob("*.log"))
+    leaked = [p.name for p in logs if any(m in p.read_text(errors="replace") for m in markers)]
+    res.check("hardened Triton: key material in the run's logs", "0 files",
+              f"{len(leaked)} of {len(logs)} files" + (f" ({', '.join(leaked)})" if leaked else ""),
+              bool(logs) and not leaked)
+

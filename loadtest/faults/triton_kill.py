@@ -14,7 +14,7 @@ from typing import Any
 
 from demo_ui.settings import Settings
 from inference.triton.launcher import TritonServer, triton_unavailable_reason
-from loadtest.faults.common import Phase, RecordingEmbedTarget, fmt, fresh_queries, load_during
+from loadtest.faults.common import Phase, RecordingEmbedTarget, check_no_key_material, fmt, fresh_queries, load_during
 from loadtest.faults.result import ScenarioResult
 from loadtest.runner import OK, RunConfig
 from loadtest.stack import SidecarProcess
@@ -111,5 +111,6 @@ def run(settings: Settings, work: Path, *, quick: bool) -> ScenarioResult:
               rec is not None and rec <= 2.0)
     res.notes.append(f"fallback on: P50/P95/P99 {fmt(on['p50_ms'])}/{fmt(on['p95_ms'])}/{fmt(on['p99_ms'])} ms "
                      f"over the whole run, answered by {on['answered_by']}")
+    check_no_key_material(res, settings.triton, work)
     res.seconds = time.perf_counter() - t0
     return res

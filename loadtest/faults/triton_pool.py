@@ -12,7 +12,7 @@ from pathlib import Path
 
 from demo_ui.settings import Settings
 from inference.triton.launcher import TritonServer, triton_unavailable_reason
-from loadtest.faults.common import Phase, RecordingEmbedTarget, fmt, fresh_queries, load_during
+from loadtest.faults.common import Phase, RecordingEmbedTarget, check_no_key_material, fmt, fresh_queries, load_during
 from loadtest.faults.result import ScenarioResult
 from loadtest.runner import RunConfig
 from loadtest.stack import SidecarProcess
@@ -64,5 +64,6 @@ def run(settings: Settings, work: Path, *, quick: bool) -> ScenarioResult:
     res.check("failed requests", "0", f"{phase.failed} of {phase.n}", phase.n > 0 and phase.failed == 0)
     res.notes.append(f"P50/P95/max {fmt(phase.pct(50))}/{fmt(phase.pct(95))}/{fmt(phase.pct(100))} ms, "
                      "the kill included")
+    check_no_key_material(res, settings.triton, work)
     res.seconds = time.perf_counter() - t0
     return res
