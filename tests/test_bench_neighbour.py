@@ -28,6 +28,7 @@ from loadtest.bench.neighbour import (
     table_rows,
     write_reports,
 )
+from sidecar.settings import SidecarSettings
 
 
 def _phase(p50: float, p95: float, cpu: float, *, cores: float = 0.2, errors: int = 0,
@@ -99,10 +100,12 @@ def test_markdown_has_one_row_per_configuration(tmp_path: Path) -> None:
 
 
 def test_each_embedded_configuration_states_every_lever() -> None:
-    d = ModelSettings()
+    d, sc = ModelSettings(), SidecarSettings()
     assert embedded_env("default") == {"EMBEDCAR_MODEL_ORT_SPINNING": str(d.ort_spinning).lower(),
                                        "EMBEDCAR_MODEL_PAD_MULTIPLE": str(d.pad_multiple),
-                                       "EMBEDCAR_MODEL_SMALL_PASS_TOKENS": str(d.small_pass_tokens)}
+                                       "EMBEDCAR_MODEL_SMALL_PASS_TOKENS": str(d.small_pass_tokens),
+                                       "EMBEDCAR_SIDECAR_INLINE_FORWARD": str(sc.inline_forward).lower()}
+    assert embedded_env("inline")["EMBEDCAR_SIDECAR_INLINE_FORWARD"] == "true"
     before = embedded_env("before")
     assert before["EMBEDCAR_MODEL_ORT_SPINNING"] == "true" and before["EMBEDCAR_MODEL_PAD_MULTIPLE"] == "0"
 

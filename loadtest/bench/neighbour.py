@@ -19,6 +19,7 @@ shell's EMBEDCAR_* variables do not leak into them):
                       the latency of the one with the lower P50 (the model's best thread setting)
   default             the sidecar as shipped (model settings' defaults)
   small-pass          + model.small_pass_tokens=64: short passes on a one-thread session
+  inline              + sidecar.inline_forward=true: the forward on the event loop when nothing waits
   spinning            + model.ort_spinning=true
   before              the old default: spinning, padded to the bucket (model.pad_multiple=0)
   no-spin-bucket      spinning off, padded to the bucket
@@ -56,28 +57,30 @@ from loadtest.neighbour import Neighbour, NeighbourData, prepare_data
 from loadtest.proc_cpu import CpuMeter
 from loadtest.report import fmt_ms, save_png, summarize
 from loadtest.runner import RunConfig, run_load
-from sidecar.settings import Settings
+from sidecar.settings import Settings, SidecarSettings
 
 log = logging.getLogger(__name__)
 Record = dict[str, Any]
 
-# The embedded backend's levers this bench compares: (model setting, value) per configuration.
-LEVERS = ("ort_spinning", "pad_multiple", "small_pass_tokens")
+# The embedded path's levers this bench compares: ("section.field", value) per configuration.
+LEVERS = ("model.ort_spinning", "model.pad_multiple", "model.small_pass_tokens", "sidecar.inline_forward")
 EMBEDDED: dict[str, dict[str, object]] = {
     "default": {},
-    "small-pass": {"small_pass_tokens": 64},
-    "spinning": {"ort_spinning": True},
-    "before": {"ort_spinning": True, "pad_multiple": 0},
-    "no-spin-bucket": {"ort_spinning": False, "pad_multiple": 0},
+    "small-pass": {"model.small_pass_tokens": 64},
+    "inline": {"sidecar.inline_forward": True},
+    "spinning": {"model.ort_spinning": True},
+    "before": {"model.ort_spinning": True, "model.pad_multiple": 0},
+    "no-spin-bucket": {"model.ort_spinning": False, "model.pad_multiple": 0},
 }
 MODEL = {"model-1t": 1, "model-2t": 0}  # ORT threads (0 = every core)
 CONFIGS = (*MODEL, *EMBEDDED, "triton")
-DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "small-pass", "spinning", "before", "triton")
+DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "small-pass", "inline", "spinning", "before", "triton")
 DESCRIPTIONS = {
     "model-1t": "the model alone, in-process, 1 thread, exact lengths",
     "model-2t": "the model alone, in-process, all threads, exact lengths",
     "default": "sidecar, embedded, the defaults",
     "small-pass": "sidecar, embedded, short passes on a 1-thread session",
+    "inline": "sidecar, embedded, forward on the event loop when nothing waits",
     "spinning": "sidecar, embedded, ORT threads spin",
     "before": "sidecar, embedded, the old default (spinning, bucket padding)",
     "no-spin-bucket": "sidecar, embedded, no spinning, bucket padding",
@@ -128,10 +131,11 @@ class NeighbourConfig:
 
 
 def embedded_env(config: str) -> dict[str, str]:
-    """EMBEDCAR_MODEL_* of an embedded configuration: every lever stated (defaults from ModelSettings)."""
-    defaults = ModelSettings()
-    values = {name: getattr(defaults, name) for name in LEVERS} | EMBEDDED[config]
-    return {env_name("model", k): (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in values.items()}
+    """EMBEDCAR_* of an embedded configuration: every lever stated (defaults from the settings classes)."""
+    defaults = {"model": ModelSettings(), "sidecar": SidecarSettings()}
+    values = {lever: getattr(defaults[lever.partition(".")[0]], lever.partition(".")[2]) for lever in LEVERS}
+    values |= EMBEDDED[config]
+    return {env_name(*k.split(".")): (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in values.items()}
 
 
 # --- measuring ------------------------------------------------------------------------------------
@@ -397,23 +401,24 @@ def markdown(result: Record) -> str:
         lines += [f"Model reference (same run): CPU {ref['cpu_ms']:.2f} ms per query (lowest of the model rows); "
                   f"latency of {ref['latency_from']}: P50 {ref['p50']:.2f} ms, P95 {ref['p95']:.2f} ms.", ""]
     lines += [
-        "| configuration | P50 ms | P95 ms | errors | CPU ms / query | cores | idle % core | Triton CPU ms / query "
-        "| P95 beside ms | errors beside | neighbour q/s beside | neighbour loss | verdict |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| configuration | P50 ms | P95 ms | errors | CPU ms / query | CPU / model | cores | idle % core "
+        "| Triton CPU ms / query | P95 beside ms | errors beside | neighbour q/s beside | neighbour loss | verdict |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in table_rows(result):
         name = f"{r['config']} ({DESCRIPTIONS.get(r['config'], '')})"
         if r.get("skipped"):
-            lines.append(f"| {name} | skipped: {r['skipped']} |" + " – |" * 11)
+            lines.append(f"| {name} | skipped: {r['skipped']} |" + " – |" * 12)
             continue
         q, b = r["quiet"], r.get("beside") or {}
         idle = r.get("idle_core_share")
         verdict = ("reference" if r["kind"] == "model" else
                    "pass" if not r["failed"] else "fails " + ", ".join(r["failed"]))
         loss = r["neighbour_loss"]
+        ratio = q["cpu_ms_per_query"] / ref["cpu_ms"] if ref and q["cpu_ms_per_query"] is not None else None
         lines.append(
             f"| {name} | {fmt_ms(q['p50'])} | {fmt_ms(q['p95'])} | {q['errors']} | {_f(q['cpu_ms_per_query'])} "
-            f"| {_f(q['cores'])} | {_f(None if idle is None else idle * 100, '.1f')} "
+            f"| {_f(ratio)} | {_f(q['cores'])} | {_f(None if idle is None else idle * 100, '.1f')} "
             f"| {_f(q.get('server_cpu_ms_per_query'))} | {fmt_ms(b.get('p95'))} | {b.get('errors', '–')} "
             f"| {_f(b.get('neighbour_qps'), '.0f')} | {'–' if loss is None else f'{loss * 100:+.1f} %'} "
             f"| {verdict} |")
