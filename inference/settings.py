@@ -62,9 +62,9 @@ class ModelSettings:
     )
     ort_spinning: bool = setting(
         False, "Embedded backend (in-process ORT): let its threads spin between calls. Off (default): "
-        "a query costs about the model's own CPU; on: ~0.5 ms lower latency per call but, at 100 "
-        "requests/s, several times the CPU per query, taken from the search node beside the sidecar "
-        "(docs/benchmarks.md, 'A good neighbour'). The ORT inside Triton's CPU encoder has its own: "
+        "a query costs about the model's own CPU; on: up to ~0.5 ms less latency per call on an "
+        "otherwise idle host, for 2-3x the CPU per query, taken from the search node beside the sidecar "
+        "(docs/benchmarks.md section 10). The ORT inside Triton's CPU encoder has its own: "
         "triton.ort_spinning."
     )
     ort_spin_us: int = setting(
