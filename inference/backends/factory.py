@@ -42,7 +42,8 @@ def make_backend(settings: Settings, kind: str, *, max_batch: int | None = None,
 
         return OnnxBackend(m.model_dir, manifest, variant=m.variant, threads=m.intra_op_threads, lanes=m.forward_lanes,
                            max_batch=max_batch or m.max_texts_per_call,
-                           spinning=m.ort_spinning if spinning is None else spinning, spin_us=m.ort_spin_us)
+                           spinning=m.ort_spinning if spinning is None else spinning, spin_us=m.ort_spin_us,
+                           pad_multiple=m.pad_multiple, small_pass_tokens=m.small_pass_tokens)
     try:
         triton = importlib.import_module("inference.backends.triton")
     except ImportError as exc:

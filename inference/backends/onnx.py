@@ -15,10 +15,11 @@ from inference.backends.base import Backend, Embeddings
 from inference.errors import Internal, InvalidInput, ModelError
 from inference.head import Head
 from inference.manifest import Manifest
+from inference.padding import trim
 from inference.tokenizer import TokenBatch
 
 
-def make_session(path: Path, threads: int, spinning: bool = True, spin_us: int = 0) -> Any:
+def make_session(path: Path, threads: int, spinning: bool = False, spin_us: int = 0) -> Any:
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -43,9 +44,15 @@ class OnnxBackend(Backend):
     runs_inline = True
 
     def __init__(self, model_dir: Path, manifest: Manifest, *, variant: str | None = None,
-                 threads: int = 0, max_batch: int = 256, spinning: bool = True, spin_us: int = 0,
-                 lanes: int = 1) -> None:
-        """`threads`: ORT threads in all (0 = every core), split over `lanes` calls that may run at once."""
+                 threads: int = 0, max_batch: int = 256, spinning: bool = False, spin_us: int = 0,
+                 lanes: int = 1, pad_multiple: int = 0, small_pass_tokens: int = 0) -> None:
+        """`threads`: ORT threads in all (0 = every core), split over `lanes` calls that may run at once.
+
+        `pad_multiple`: 0 computes each batch as given (its bucket's length); n >= 1 cuts the
+        columns that are padding in every row first, keeping a multiple of n (inference.padding).
+        `small_pass_tokens`: passes of at most this many tokens (rows x length, after the cut) run
+        on a second session of one thread without spinning; 0 = every pass on the main session.
+        """
         self.manifest = manifest
         self.variant_name = variant or manifest.default_variant
         self._path = model_dir / manifest.variant(self.variant_name).file
@@ -53,11 +60,15 @@ class OnnxBackend(Backend):
         self.threads = max(1, (threads if threads > 0 else (os.cpu_count() or 1)) // self.lanes)  # per call
         self._spinning = spinning
         self._spin_us = spin_us
+        self.pad_multiple = max(0, pad_multiple)
+        # A second session only pays where the main one has more than one thread.
+        self.small_pass_tokens = max(0, small_pass_tokens) if self.threads > 1 else 0
         self.version_id = manifest.variant_id(self.variant_name)
         self.dim = manifest.dim
         self.head = Head.from_manifest(model_dir, manifest)
         self.max_batch = max_batch
         self._sess: Any = None
+        self._small: Any = None
         self._inputs: tuple[str, ...] = ()
         # At most `lanes` ORT calls at a time, each on its share of the threads: more calls than
         # that only fight over the cores and lengthen the tail. (A session runs concurrent calls.)
@@ -70,17 +81,25 @@ class OnnxBackend(Backend):
         if self._sess is None:
             sess = make_session(self._path, self.threads, self._spinning, self._spin_us)
             self._inputs = tuple(i.name for i in sess.get_inputs())
+            if self.small_pass_tokens:
+                # One thread on a short query: nearly the two-thread latency at about half the CPU
+                # (no second thread to wake and join after every op).
+                self._small = make_session(self._path, 1, False)
             self._sess = sess
 
     def warm_up(self) -> None:
-        """One forward pass per bucket so first requests don't pay for ORT's lazy set-up."""
+        """One forward pass per bucket and session so first requests don't pay for ORT's lazy set-up."""
         self.load()
         for n in self.manifest.buckets:
             ids = np.full((1, n), self.manifest.pad_id, dtype=np.int64)
             ids[0, 0] = self.manifest.special_ids[0] if self.manifest.special_ids else 1
             mask = np.ones((1, n), dtype=np.int64)
             types = np.zeros_like(ids) if self.manifest.has_token_type_ids else None
-            self.embed_sync(TokenBatch(ids, mask, types))
+            batch = TokenBatch(ids, mask, types)
+            self.embed_sync(batch)
+            for sess in (self._sess, self._small):  # embed_sync chose one of them for this shape
+                if sess is not None:
+                    self._run(sess, batch)
         self._ready = True
 
     async def start(self) -> None:
@@ -92,22 +111,30 @@ class OnnxBackend(Backend):
     async def close(self) -> None:
         self._ready = False
         self._executor.shutdown(wait=True, cancel_futures=True)
-        self._sess = None
+        self._sess = self._small = None
 
     # --- inference -------------------------------------------------------------------------
     def hidden_sync(self, batch: TokenBatch) -> np.ndarray:
+        """last_hidden_state of `batch` as given (no cut: its rows line up with the batch's mask)."""
         self.load()
         if batch.shape[0] > self.max_batch:
             raise InvalidInput(f"batch of {batch.shape[0]} is over the backend maximum {self.max_batch}")
+        b, n = batch.shape
+        small = self._small is not None and b * n <= self.small_pass_tokens
+        return self._run(self._small if small else self._sess, batch)
+
+    def _run(self, sess: Any, batch: TokenBatch) -> np.ndarray:
         feed = {k: v for k, v in batch.arrays().items() if k in self._inputs}
         with self._calls:
             try:
-                out = self._sess.run(["last_hidden_state"], feed)[0]
+                out = sess.run(["last_hidden_state"], feed)[0]
             except Exception as exc:
                 raise Internal(f"ONNX Runtime failed on a {batch.shape} batch: {exc}") from exc
         return np.asarray(out)
 
     def embed_sync(self, batch: TokenBatch) -> Embeddings:
+        if self.pad_multiple:
+            batch = trim(batch, self.pad_multiple)
         hidden = self.hidden_sync(batch)
         return self.head(hidden, batch.attention_mask, input_ids=batch.input_ids, skip=batch.pool_skip)
 

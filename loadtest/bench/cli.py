@@ -1,4 +1,5 @@
-"""`embedcar bench model|triton|sidecar|serving|catalog|demo|transport`: the benchmarks behind docs/benchmarks.md.
+"""`embedcar bench model|triton|sidecar|serving|neighbour|catalog|demo|transport`: the benchmarks
+behind docs/benchmarks.md.
 
 Each area takes the settings flags of the runtime command it measures (inference.flags), so a
 figure is measured on the settings it is quoted for.
@@ -42,6 +43,7 @@ def register(sub: Any) -> None:
     _register_triton(areas)
     _register_sidecar(areas)
     _register_serving(areas)
+    _register_neighbour(areas)
     _register_catalog(areas)
     _register_demo(areas)
     _register_transport(areas)
@@ -195,6 +197,61 @@ def _serving(args: argparse.Namespace) -> int:
                 "--warmup", f"{cfg.warmup_s:g}", "--sweep", args.sweep, "--sweep-duration",
                 f"{cfg.sweep_duration_s:g}", "--sweep-warmup", f"{cfg.sweep_warmup_s:g}", "--out", str(args.out)]
     _result, paths = run_serving(settings, cfg, out_dir=args.out, command=command_line(fallback))
+    print(paths["md"].read_text())
+    print(f"reports: {', '.join(str(p) for p in paths.values())}")
+    return 0  # a benchmark, not a gate
+
+
+# --- neighbour ------------------------------------------------------------------------------
+# loadtest.bench.neighbour.DEFAULT_CONFIGS and CONFIGS (not imported here: slow)
+NEIGHBOUR_CONFIGS = "model-1t,model-2t,default,small-pass,inline,spinning,before,triton"
+NEIGHBOUR_ALL_CONFIGS = "model-1t,model-2t,default,small-pass,inline,spinning,before,no-spin-bucket,triton"
+
+
+def _register_neighbour(areas: Any) -> None:
+    p = areas.add_parser(
+        "neighbour", help="the sidecar's CPU per query and latency per configuration, and what it costs a "
+                          "search-engine process beside it: one table, one PNG",
+        description="Per configuration (the model alone, the sidecar's embedded backend as shipped and with "
+                    "each lever switched, the Triton backend), open loop at --rate: P50/P95, the sidecar's CPU "
+                    "per query from /proc, its idle CPU, then the same load beside a one-core search-engine "
+                    "stand-in (tantivy + FAISS over the grocery catalog) and that process's queries/s. Writes "
+                    "neighbour.json, neighbour.md and neighbour.png to --out. Details: loadtest/bench/neighbour.py.")
+    add_model_flags(p)
+    p.add_argument("--configs", type=_items, default=NEIGHBOUR_CONFIGS,
+                   help=f"comma-separated, some of {NEIGHBOUR_ALL_CONFIGS} (default {NEIGHBOUR_CONFIGS})")
+    p.add_argument("--rate", type=float, default=100.0, help="requests/s, open loop (default 100)")
+    p.add_argument("--duration", type=float, default=20.0,
+                   help="measured seconds per window (default 20; each configuration has two, quiet and beside)")
+    p.add_argument("--warmup", type=float, default=3.0, help="uncounted seconds before them (default 3)")
+    p.add_argument("--idle", type=float, default=3.0, help="seconds of the idle-CPU window (default 3)")
+    p.add_argument("--sla-ms", type=float, default=20.0, help="P95 budget beside the neighbour (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="query stream seed (default 0)")
+    p.add_argument("--no-neighbour", dest="neighbour", action="store_false",
+                   help="quiet windows only (no search-engine process, no beside columns)")
+    p.add_argument("--items", type=int, default=50_000, help="vectors in the neighbour's FAISS index (default 50000)")
+    p.add_argument("--embedded-items", type=int, default=1024,
+                   help="of them, titles embedded by the model; the rest noisy copies (default 1024)")
+    p.add_argument("--out", type=Path, default=Path("reports/bench/neighbour"), help="report folder")
+    p.add_argument("--data-dir", type=Path, default=Path("var/bench/neighbour/data"),
+                   help="the neighbour's indexes (built once, reused)")
+    p.add_argument("--log-dir", type=Path, default=Path("var/bench/neighbour"), help="server logs")
+    p.set_defaults(func=_neighbour)
+
+
+def _neighbour(args: argparse.Namespace) -> int:
+    from loadtest.bench.neighbour import NeighbourConfig, run_neighbour
+    from loadtest.bench.serving import command_line
+
+    settings = sidecar.Settings.load(overrides=flag_overrides(args))
+    cfg = NeighbourConfig(configs=tuple(args.configs), rate=args.rate, duration_s=args.duration,
+                          warmup_s=args.warmup, idle_s=args.idle, sla_ms=args.sla_ms, seed=args.seed,
+                          neighbour=args.neighbour, items=args.items, embedded_items=args.embedded_items,
+                          data_dir=args.data_dir,
+                          log_dir=args.log_dir).validate()
+    fallback = ["bench", "neighbour", "--configs", ",".join(cfg.configs), "--rate", f"{cfg.rate:g}",
+                "--duration", f"{cfg.duration_s:g}", "--out", str(args.out)]
+    _result, paths = run_neighbour(settings, cfg, out_dir=args.out, command=command_line(fallback, "neighbour"))
     print(paths["md"].read_text())
     print(f"reports: {', '.join(str(p) for p in paths.values())}")
     return 0  # a benchmark, not a gate

@@ -446,10 +446,10 @@ def git_commit() -> str | None:
     return head.stdout.strip() + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
-def command_line(fallback: Sequence[str]) -> str:
-    """The command as typed when this process is `embedcar bench serving ...`, else `fallback` (from code)."""
+def command_line(fallback: Sequence[str], area: str = "serving") -> str:
+    """The command as typed when this process is `embedcar bench AREA ...`, else `fallback` (from code)."""
     argv = sys.argv[1:]
-    if "bench" in argv and "serving" in argv:
+    if "bench" in argv and area in argv:
         return "embedcar " + shlex.join(argv)
     return "embedcar " + shlex.join(fallback)
 

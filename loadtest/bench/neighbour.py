@@ -1,0 +1,540 @@
+"""`embedcar bench neighbour`: what the sidecar costs the search node beside it, per configuration.
+
+One command, one table (neighbour.md), one JSON, one PNG. Per configuration, open loop at --rate
+(default 100 requests/s), batch 1, distinct shopper queries (no cache hit), unary gRPC Embed:
+
+  quiet    P50/P95 latency and the sidecar's CPU per query: utime + stime of every thread of the
+           sidecar process and its children, from /proc (loadtest.proc_cpu), over the measured
+           window divided by the requests sent in it; its idle CPU (share of one core) before load
+  beside   the same run while the neighbour (loadtest/neighbour.py: one thread of tantivy + FAISS
+           queries over the grocery catalog, like a search engine's core) runs; its queries/s
+           against its queries/s alone (measured before the first and after the last configuration)
+
+Configurations (--configs, in this order by default; every embedded one states all its levers, so a
+shell's EMBEDCAR_* variables do not leak into them):
+
+  model-1t, model-2t  the model alone in this process (no server): tokenize, pad to the exact
+                      length, ORT on 1 / all threads without spinning, pool; its CPU per query
+                      from getrusage. The reference of the verdicts: its lowest CPU per query, and
+                      the latency of the one with the lower P50 (the model's best thread setting)
+  default             the sidecar as shipped (model settings' defaults)
+  small-pass          + model.small_pass_tokens=64: short passes on a one-thread session
+  inline              + sidecar.inline_forward=true: the forward on the event loop when nothing waits
+  spinning            + model.ort_spinning=true
+  before              the old default: spinning, padded to the bucket (model.pad_multiple=0)
+  no-spin-bucket      spinning off, padded to the bucket
+  triton              the sidecar over a local tritonserver (CPU, Python backend); skipped, saying
+                      why, where the binary cannot run. Its sidecar CPU excludes tritonserver's
+                      (a separate column)
+
+Verdicts (issue #25's targets; a benchmark, not a gate: exit 0 whatever they say), per sidecar row:
+cpu: CPU per query <= the model's + 1.0 ms (Triton: <= 1.0 ms); p50: <= the model's best + 1.0 ms;
+p95: <= 1.5x the model's best; beside: P95 <= --sla-ms with 0 errors next to the neighbour;
+neighbour: its loss of queries/s <= the sidecar's cores beside it + 10 points; idle: < 1 % of a core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+import logging
+import resource
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from inference.errors import EmbedcarError, InvalidInput
+from inference.files import atomic_write_text
+from inference.settings import ModelSettings, env_name
+from loadtest.neighbour import Neighbour, NeighbourData, prepare_data
+from loadtest.proc_cpu import CpuMeter
+from loadtest.report import fmt_ms, save_png, summarize
+from loadtest.runner import RunConfig, run_load
+from sidecar.settings import Settings, SidecarSettings
+
+log = logging.getLogger(__name__)
+Record = dict[str, Any]
+
+# The embedded path's levers this bench compares: ("section.field", value) per configuration.
+LEVERS = ("model.ort_spinning", "model.pad_multiple", "model.small_pass_tokens", "sidecar.inline_forward")
+EMBEDDED: dict[str, dict[str, object]] = {
+    "default": {},
+    "small-pass": {"model.small_pass_tokens": 64},
+    "inline": {"sidecar.inline_forward": True},
+    "spinning": {"model.ort_spinning": True},
+    "before": {"model.ort_spinning": True, "model.pad_multiple": 0},
+    "no-spin-bucket": {"model.ort_spinning": False, "model.pad_multiple": 0},
+}
+MODEL = {"model-1t": 1, "model-2t": 0}  # ORT threads (0 = every core)
+CONFIGS = (*MODEL, *EMBEDDED, "triton")
+DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "small-pass", "inline", "spinning", "before", "triton")
+DESCRIPTIONS = {
+    "model-1t": "the model alone, in-process, 1 thread, exact lengths",
+    "model-2t": "the model alone, in-process, all threads, exact lengths",
+    "default": "sidecar, embedded, the defaults",
+    "small-pass": "sidecar, embedded, short passes on a 1-thread session",
+    "inline": "sidecar, embedded, forward on the event loop when nothing waits",
+    "spinning": "sidecar, embedded, ORT threads spin",
+    "before": "sidecar, embedded, the old default (spinning, bucket padding)",
+    "no-spin-bucket": "sidecar, embedded, no spinning, bucket padding",
+    "triton": "sidecar, Triton backend (CPU)",
+}
+CPU_MARGIN_MS = 1.0  # unary gRPC: the sidecar may add this much CPU per query to the model's own
+P50_MARGIN_MS = 1.0
+P95_FACTOR = 1.5
+TRITON_CPU_MS = 1.0
+NEIGHBOUR_SLACK = 0.10
+IDLE_MAX = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class NeighbourConfig:
+    configs: tuple[str, ...] = DEFAULT_CONFIGS
+    rate: float = 100.0
+    duration_s: float = 20.0
+    warmup_s: float = 3.0
+    idle_s: float = 3.0
+    sla_ms: float = 20.0
+    deadline_ms: float = 1000.0
+    seed: int = 0
+    neighbour: bool = True
+    items: int = 50_000
+    embedded_items: int = 1024
+    data_dir: Path = Path("var/bench/neighbour/data")
+    log_dir: Path = Path("var/bench/neighbour")
+
+    def validate(self) -> NeighbourConfig:
+        unknown = [c for c in self.configs if c not in CONFIGS]
+        if unknown:
+            raise InvalidInput(f"unknown configuration(s) {', '.join(unknown)}; expected some of {', '.join(CONFIGS)}")
+        if not self.configs:
+            raise InvalidInput("no configuration to measure")
+        if self.idle_s < 0 or self.items < 1 or not 1 <= self.embedded_items <= self.items:
+            raise InvalidInput("idle time not negative; 1 <= embedded items <= items")
+        self.run_config(self.duration_s).validate()
+        return self
+
+    def run_config(self, duration_s: float) -> RunConfig:
+        return RunConfig(rate=self.rate, duration_s=duration_s, warmup_s=0.0, deadline_ms=self.deadline_ms,
+                         seed=self.seed)
+
+    def to_json(self) -> Record:
+        return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
+                for k, v in dataclasses.asdict(self).items()}
+
+
+def embedded_env(config: str) -> dict[str, str]:
+    """EMBEDCAR_* of an embedded configuration: every lever stated (defaults from the settings classes)."""
+    defaults = {"model": ModelSettings(), "sidecar": SidecarSettings()}
+    values = {lever: getattr(defaults[lever.partition(".")[0]], lever.partition(".")[2]) for lever in LEVERS}
+    values |= EMBEDDED[config]
+    return {env_name(*k.split(".")): (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in values.items()}
+
+
+# --- measuring ------------------------------------------------------------------------------------
+
+def _process_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process (ORT's included)
+    return ru.ru_utime + ru.ru_stime
+
+
+def model_run(embed: Callable[[str], object], texts: Sequence[str], rate: float) -> Record:
+    """`embed` each text at its scheduled time (open loop, one at a time) -> latency and this process's CPU."""
+    lat: list[float] = []
+    errors = 0
+    cpu0 = _process_cpu_s()
+    start = time.perf_counter() + 0.01
+    for i, text in enumerate(texts):
+        due = start + i / rate
+        if (wait := due - time.perf_counter()) > 0:
+            time.sleep(wait)
+        try:
+            embed(text)
+        except EmbedcarError:
+            errors += 1
+            continue
+        lat.append((time.perf_counter() - due) * 1e3)
+    cpu = _process_cpu_s() - cpu0
+    wall = time.perf_counter() - start
+    return _figures(lat, errors, len(texts), cpu, wall)
+
+
+def _figures(lat_ms: Sequence[float], errors: int, requests: int, cpu_s: float, wall_s: float,
+             server_cpu_s: float | None = None) -> Record:
+    a = np.asarray(lat_ms, dtype=np.float64)
+    return {
+        "requests": requests, "errors": errors,
+        "p50": float(np.percentile(a, 50)) if a.size else None,
+        "p95": float(np.percentile(a, 95)) if a.size else None,
+        "p99": float(np.percentile(a, 99)) if a.size else None,
+        "cpu_ms_per_query": cpu_s * 1e3 / requests if requests else None,
+        "cores": cpu_s / wall_s if wall_s > 0 else None,
+        "server_cpu_ms_per_query": None if server_cpu_s is None or not requests else server_cpu_s * 1e3 / requests,
+        "wall_s": wall_s,
+    }
+
+
+class Window:
+    """The neighbour's queries over one window (None without a neighbour)."""
+
+    def __init__(self, neighbour: Neighbour | None, run: bool) -> None:
+        self.neighbour = neighbour if run else None
+        self.qps: float | None = None
+
+    def __enter__(self) -> Window:
+        if self.neighbour is not None:
+            self.neighbour.resume()
+            time.sleep(0.2)  # it is running before the window opens
+            self._n0, self._t0 = self.neighbour.queries(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.neighbour is not None:
+            self.qps = (self.neighbour.queries() - self._n0) / (time.perf_counter() - self._t0)
+            self.neighbour.pause()
+
+
+def neighbour_alone(neighbour: Neighbour, seconds: float) -> float:
+    with Window(neighbour, True) as w:
+        time.sleep(seconds)
+    assert w.qps is not None
+    return w.qps
+
+
+def measure_model(settings: Settings, cfg: NeighbourConfig, name: str, next_texts: Callable[[int], list[str]],
+                  neighbour: Neighbour | None) -> Record:
+    from inference.backends.onnx import OnnxBackend
+    from inference.embedder import load_tokenizer
+    from inference.manifest import load_manifest
+
+    m = settings.model
+    manifest = load_manifest(m.model_dir)
+    tokenizer = load_tokenizer(m.model_dir, manifest)
+    backend = OnnxBackend(m.model_dir, manifest, variant=m.variant, threads=MODEL[name], spinning=False,
+                          pad_multiple=1)
+    backend.warm_up()
+
+    def embed(text: str) -> object:
+        return backend.embed_sync(tokenizer.batch(tokenizer.encode([text]).ids))
+
+    n = int(cfg.rate * cfg.duration_s)
+    try:
+        model_run(embed, next_texts(int(cfg.rate * cfg.warmup_s) or 1), cfg.rate)
+        quiet = model_run(embed, next_texts(n), cfg.rate)
+        beside: Record | None = None
+        if neighbour is not None:
+            with Window(neighbour, True) as w:
+                beside = model_run(embed, next_texts(n), cfg.rate)
+            beside["neighbour_qps"] = w.qps
+    finally:
+        asyncio.run(backend.close())
+    return {"config": name, "kind": "model", "threads": backend.threads, "quiet": quiet, "beside": beside}
+
+
+async def _load(target: Any, texts: list[str], cfg: RunConfig, sla_ms: float,
+                meter: CpuMeter) -> tuple[Record, dict[str, float]]:
+    meter.start()
+    result = await run_load(target, texts, cfg)
+    cpu = meter.stop()
+    summary = summarize(result, name="neighbour", sla_ms=sla_ms, max_error_share=0.0)
+    lat = [s.latency_s * 1e3 for s in result.measured if s.code == "ok"]
+    errors = len(result.measured) - len(lat)
+    rec = _figures(lat, errors, len(result.measured), cpu["sidecar"], result.wall_s, cpu.get("tritonserver"))
+    rec["errors_by_code"] = summary["errors"]
+    rec["generator_cpu_ms_per_query"] = result.generator_cpu_s * 1e3 / max(1, len(result.measured))
+    return rec, cpu
+
+
+def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_texts: Callable[[int], list[str]],
+                    neighbour: Neighbour | None) -> Record:
+    from loadtest.stack import SidecarProcess
+    from loadtest.targets import SidecarEmbedTarget
+
+    variant = settings.model.variant
+    logs = cfg.log_dir
+    logs.mkdir(parents=True, exist_ok=True)
+    rec: Record = {"config": name, "kind": "triton" if name == "triton" else "embedded"}
+    with contextlib.ExitStack() as stack:
+        pids: dict[str, int] = {}
+        triton_url = None
+        env = embedded_env("default")  # the Triton sidecar's fallback model, when it loads one, as shipped
+        if name == "triton":
+            from inference.triton.launcher import TritonServer, triton_unavailable_reason
+
+            if reason := triton_unavailable_reason():
+                return rec | {"skipped": reason}
+            server = stack.enter_context(TritonServer(settings, variant=variant,
+                                                      log_file=logs / f"tritonserver-{variant}.log"))
+            triton_url = server.grpc_url
+            if server.pid is not None:
+                pids["tritonserver"] = server.pid
+        else:
+            env = embedded_env(name)
+        rec["env"] = env
+        sc = stack.enter_context(SidecarProcess(settings, backend="triton" if triton_url else "embedded",
+                                                variant=variant, triton_url=triton_url, http=False, extra_env=env,
+                                                log_file=logs / f"sidecar-{name}-{variant}.log"))
+        assert sc.pid is not None
+        pids["sidecar"] = sc.pid
+        meter = CpuMeter(pids)
+        time.sleep(1.0)  # start-up's own work done
+        meter.start()
+        time.sleep(cfg.idle_s)
+        idle = meter.stop()
+        rec["idle_core_share"] = idle["sidecar"] / cfg.idle_s if cfg.idle_s else None
+
+        async def runs() -> None:
+            target = SidecarEmbedTarget(sc.grpc_target)
+            await target.start()
+            try:
+                n = int(cfg.rate * cfg.duration_s)
+                await run_load(target, next_texts(int(cfg.rate * cfg.warmup_s) or 1), cfg.run_config(cfg.warmup_s))
+                rec["quiet"], _ = await _load(target, next_texts(n), cfg.run_config(cfg.duration_s), cfg.sla_ms, meter)
+                rec["beside"] = None
+                if neighbour is not None:
+                    with Window(neighbour, True) as w:
+                        beside, _ = await _load(target, next_texts(n), cfg.run_config(cfg.duration_s), cfg.sla_ms,
+                                                meter)
+                    rec["beside"] = beside | {"neighbour_qps": w.qps}
+            finally:
+                await target.close()
+
+        asyncio.run(runs())
+    return rec
+
+
+# --- the table ------------------------------------------------------------------------------------
+
+def reference(result: Record) -> Record:
+    """The model's own figures: its lowest CPU per query, and the latency of its lower-P50 thread setting."""
+    models = [r for r in result["rows"] if r["kind"] == "model" and not r.get("skipped") and r["quiet"]["p50"]]
+    if not models:
+        return {}
+    best = min(models, key=lambda r: r["quiet"]["p50"])
+    return {"cpu_ms": min(r["quiet"]["cpu_ms_per_query"] for r in models), "p50": best["quiet"]["p50"],
+            "p95": best["quiet"]["p95"], "latency_from": best["config"]}
+
+
+def neighbour_baseline(result: Record) -> float | None:
+    alone = [x for x in result.get("neighbour_alone", []) if x]
+    return float(np.mean(alone)) if alone else None
+
+
+def checks(row: Record, ref: Record, alone_qps: float | None, sla_ms: float) -> dict[str, bool]:
+    """Issue #25's targets that apply to `row` -> name: met (a check whose inputs are missing is left out)."""
+    if row["kind"] == "model" or row.get("skipped"):
+        return {}
+    q, b = row["quiet"], row.get("beside")
+    out: dict[str, bool] = {}
+    cpu = q["cpu_ms_per_query"]
+    if row["kind"] == "triton":
+        out["cpu"] = cpu <= TRITON_CPU_MS
+    elif ref:
+        out["cpu"] = cpu <= ref["cpu_ms"] + CPU_MARGIN_MS
+        if q["p50"] is not None and q["p95"] is not None:
+            out["p50"] = q["p50"] <= ref["p50"] + P50_MARGIN_MS
+            out["p95"] = q["p95"] <= P95_FACTOR * ref["p95"]
+    if b is not None:
+        out["beside"] = b["p95"] is not None and b["p95"] <= sla_ms and b["errors"] == 0
+        if alone_qps and b.get("neighbour_qps") is not None and b.get("cores") is not None:
+            out["neighbour"] = neighbour_loss(alone_qps, b["neighbour_qps"]) <= b["cores"] + NEIGHBOUR_SLACK
+    if row.get("idle_core_share") is not None:
+        out["idle"] = row["idle_core_share"] < IDLE_MAX
+    return out
+
+
+def neighbour_loss(alone: float, beside: float) -> float:
+    return 1.0 - beside / alone
+
+
+def table_rows(result: Record) -> list[Record]:
+    ref = reference(result)
+    alone = neighbour_baseline(result)
+    sla = float(result.get("config", {}).get("sla_ms", 20.0))
+    out = []
+    for row in result["rows"]:
+        c = checks(row, ref, alone, sla)
+        b = row.get("beside") or {}
+        nq = b.get("neighbour_qps")
+        out.append(row | {
+            "checks": c, "failed": [k for k, ok in c.items() if not ok],
+            "neighbour_loss": neighbour_loss(alone, nq) if alone and nq is not None else None,
+        })
+    return out
+
+
+def _f(x: float | None, fmt: str = ".2f") -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def markdown(result: Record) -> str:
+    cfg = result.get("config", {})
+    m = result.get("machine", {})
+    ref = reference(result)
+    alone = result.get("neighbour_alone", [])
+    lines = [
+        "# A good neighbour: the sidecar's CPU per query and the search node beside it",
+        "",
+        f"{result.get('date', '?')} · commit `{result.get('commit') or '?'}` · {m.get('cpu', '?')}, "
+        f"{m.get('cpus_usable', '?')} CPUs · model {result.get('model', '?')} {result.get('variant', '?')}",
+        "",
+        f"Command: `{result.get('command', '?')}`",
+        "",
+        f"Open loop {cfg.get('rate', 0):g} requests/s, batch 1, distinct shopper queries (no cache hits), unary "
+        f"gRPC Embed; {cfg.get('duration_s', 0):g} s measured per window after {cfg.get('warmup_s', 0):g} s of "
+        "warm-up. CPU per query: utime + stime of every thread of the sidecar (and its children) from /proc over "
+        "the window, per request sent; cores = that CPU over the window. Beside: the same load while the "
+        "neighbour (one thread of tantivy + FAISS queries over the grocery catalog) runs.",
+        "",
+        "Neighbour alone: " + (", ".join(f"{x:.0f}" for x in alone if x) + " queries/s (before, after)"
+                               if any(alone) else "not run") + ".",
+        "",
+    ]
+    if ref:
+        lines += [f"Model reference (same run): CPU {ref['cpu_ms']:.2f} ms per query (lowest of the model rows); "
+                  f"latency of {ref['latency_from']}: P50 {ref['p50']:.2f} ms, P95 {ref['p95']:.2f} ms.", ""]
+    lines += [
+        "| configuration | P50 ms | P95 ms | errors | CPU ms / query | CPU / model | cores | idle % core "
+        "| Triton CPU ms / query | P95 beside ms | errors beside | neighbour q/s beside | neighbour loss | verdict |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in table_rows(result):
+        name = f"{r['config']} ({DESCRIPTIONS.get(r['config'], '')})"
+        if r.get("skipped"):
+            lines.append(f"| {name} | skipped: {r['skipped']} |" + " – |" * 12)
+            continue
+        q, b = r["quiet"], r.get("beside") or {}
+        idle = r.get("idle_core_share")
+        verdict = ("reference" if r["kind"] == "model" else
+                   "pass" if not r["failed"] else "fails " + ", ".join(r["failed"]))
+        loss = r["neighbour_loss"]
+        ratio = q["cpu_ms_per_query"] / ref["cpu_ms"] if ref and q["cpu_ms_per_query"] is not None else None
+        lines.append(
+            f"| {name} | {fmt_ms(q['p50'])} | {fmt_ms(q['p95'])} | {q['errors']} | {_f(q['cpu_ms_per_query'])} "
+            f"| {_f(ratio)} | {_f(q['cores'])} | {_f(None if idle is None else idle * 100, '.1f')} "
+            f"| {_f(q.get('server_cpu_ms_per_query'))} | {fmt_ms(b.get('p95'))} | {b.get('errors', '–')} "
+            f"| {_f(b.get('neighbour_qps'), '.0f')} | {'–' if loss is None else f'{loss * 100:+.1f} %'} "
+            f"| {verdict} |")
+    lines += [
+        "",
+        f"Verdicts (issue #25): cpu ≤ model + {CPU_MARGIN_MS:g} ms (Triton: sidecar ≤ {TRITON_CPU_MS:g} ms); "
+        f"p50 ≤ model + {P50_MARGIN_MS:g} ms; p95 ≤ {P95_FACTOR:g}× model; beside: P95 ≤ {cfg.get('sla_ms', 20):g} ms, "
+        f"0 errors; neighbour: loss ≤ the sidecar's cores beside it + {NEIGHBOUR_SLACK * 100:g} points; "
+        f"idle < {IDLE_MAX * 100:g} % of a core.",
+    ]
+    if not result.get("complete", True):
+        lines += ["", "**Incomplete run**: the figures so far."]
+    return "\n".join(lines) + "\n"
+
+
+def write_png(result: Record, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in table_rows(result) if not r.get("skipped")]
+    names = [r["config"] for r in rows]
+    x = np.arange(len(rows))
+    colors = ["black" if r["kind"] == "model" else "tab:purple" if r["kind"] == "triton" else "tab:blue"
+              for r in rows]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 5), constrained_layout=True)
+
+    def val(r: Record, phase: str, key: str) -> float:
+        v = (r.get(phase) or {}).get(key)
+        return float("nan") if v is None else float(v)
+
+    ax1.bar(x - 0.2, [val(r, "quiet", "p50") for r in rows], 0.4, color=colors, label="P50")
+    ax1.bar(x + 0.2, [val(r, "quiet", "p95") for r in rows], 0.4, color=colors, alpha=0.5, label="P95")
+    ax1.set_title("latency (quiet): P50 solid, P95 light", fontsize=10)
+    ax1.set_ylabel("ms")
+    own = [val(r, "quiet", "cpu_ms_per_query") for r in rows]
+    ax2.bar(x, own, color=colors)
+    server = [val(r, "quiet", "server_cpu_ms_per_query") for r in rows]  # tritonserver's, on top
+    ax2.bar(x, server, bottom=own, color=colors, alpha=0.35, hatch="//")
+    ref = reference(result)
+    if ref:
+        ax2.axhline(ref["cpu_ms"], color="black", ls=":", lw=1, label="model")
+        ax2.axhline(ref["cpu_ms"] + CPU_MARGIN_MS, color="tab:orange", ls="--", lw=1,
+                    label=f"model + {CPU_MARGIN_MS:g} ms")
+        ax2.legend(fontsize=8)
+    ax2.set_title("CPU per query (all threads, /proc; hatched: tritonserver's)", fontsize=10)
+    ax2.set_ylabel("ms CPU")
+    ax3.bar(x, [val(r, "beside", "neighbour_qps") for r in rows], color=colors)
+    if (alone := neighbour_baseline(result)) is not None:
+        ax3.axhline(alone, color="tab:green", ls="--", lw=1.5, label="neighbour alone")
+        ax3.legend(fontsize=8)
+    ax3.set_title("neighbour's queries/s beside each", fontsize=10)
+    for ax in (ax1, ax2, ax3):
+        ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"A good neighbour: {result.get('model', '')} {result.get('variant', '')} at "
+                 f"{result.get('config', {}).get('rate', 0):g} req/s · {result.get('date', '')} · "
+                 f"{result.get('commit') or ''}", fontsize=10)
+    save_png(fig, path)
+    plt.close(fig)
+
+
+def write_reports(result: Record, out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "neighbour.json", "md": out_dir / "neighbour.md", "png": out_dir / "neighbour.png"}
+    atomic_write_text(paths["json"], json.dumps(result, indent=2, sort_keys=True, default=str) + "\n")
+    atomic_write_text(paths["md"], markdown(result))
+    write_png(result, paths["png"])
+    return paths
+
+
+# --- the whole bench ------------------------------------------------------------------------------
+
+def run_neighbour(settings: Settings, cfg: NeighbourConfig, *, out_dir: Path,
+                  command: str) -> tuple[Record, dict[str, Path]]:
+    from inference.embedder import load_tokenizer
+    from inference.manifest import load_manifest
+    from loadtest.bench.serving import git_commit, machine_info
+    from loadtest.queries import QueryMix
+
+    cfg.validate()
+    m = settings.model
+    manifest = load_manifest(m.model_dir)
+    manifest.variant(m.variant)  # an unknown variant fails before anything starts
+    mix = QueryMix(load_tokenizer(m.model_dir, manifest), seed=cfg.seed, unique=True)
+    result: Record = {
+        "name": "neighbour", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": git_commit(),
+        "machine": machine_info(), "command": command, "model": manifest.name, "variant": m.variant,
+        "config": cfg.to_json(), "neighbour_alone": [], "rows": [], "complete": False,
+    }
+    with contextlib.ExitStack() as stack:
+        neighbour: Neighbour | None = None
+        if cfg.neighbour:
+            log.info("preparing the neighbour's indexes in %s (once)", cfg.data_dir)
+            data: NeighbourData = prepare_data(cfg.data_dir, m.model_dir, m.variant, items=cfg.items,
+                                               embedded=cfg.embedded_items, seed=cfg.seed)
+            neighbour = stack.enter_context(Neighbour(data))
+            neighbour_alone(neighbour, min(2.0, cfg.duration_s))  # caches and page faults out of the way
+            result["neighbour_alone"].append(neighbour_alone(neighbour, cfg.duration_s))
+            log.info("neighbour alone: %.0f queries/s", result["neighbour_alone"][-1])
+        for name in cfg.configs:
+            log.info("measuring %s", name)
+            try:
+                measure = measure_model if name in MODEL else measure_sidecar
+                row = measure(settings, cfg, name, mix.take, neighbour)
+            except EmbedcarError as exc:
+                row = {"config": name, "kind": "model" if name in MODEL else "embedded",
+                       "skipped": f"failed: {exc.message.splitlines()[0][:200]}"}
+                log.error("%s: %s", name, exc.message)
+            result["rows"].append(row)
+            if not row.get("skipped"):
+                q = row["quiet"]
+                log.info("%s: P50 %s P95 %s ms, CPU %.2f ms per query", name, fmt_ms(q["p50"]), fmt_ms(q["p95"]),
+                         q["cpu_ms_per_query"] or 0.0)
+        if neighbour is not None:
+            result["neighbour_alone"].append(neighbour_alone(neighbour, cfg.duration_s))
+    result["complete"] = True
+    return result, write_reports(result, out_dir)

@@ -1,0 +1,146 @@
+"""`embedcar bench neighbour` (loadtest/bench/neighbour.py, loadtest/neighbour.py).
+
+Behaviour, not timings: the verdicts and the table from a synthetic result, each configuration's
+settings; then one short real run (the model alone and the sidecar as shipped, beside a real
+neighbour process), asserting the report's structure and that its figures are sane.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from inference.cli_main import main as cli_main
+from inference.errors import InvalidInput
+from inference.settings import ModelSettings
+from loadtest.bench import cli as bench_cli
+from loadtest.bench.neighbour import (
+    CONFIGS,
+    DEFAULT_CONFIGS,
+    NeighbourConfig,
+    checks,
+    embedded_env,
+    markdown,
+    reference,
+    table_rows,
+    write_reports,
+)
+from sidecar.settings import SidecarSettings
+
+
+def _phase(p50: float, p95: float, cpu: float, *, cores: float = 0.2, errors: int = 0,
+           neighbour_qps: float | None = None, server_cpu: float | None = None) -> dict[str, Any]:
+    return {"requests": 100, "errors": errors, "p50": p50, "p95": p95, "p99": p95, "cpu_ms_per_query": cpu,
+            "cores": cores, "server_cpu_ms_per_query": server_cpu, "wall_s": 1.0, "neighbour_qps": neighbour_qps}
+
+
+def _synthetic() -> dict[str, Any]:
+    return {
+        "date": "2026-12-02T00:00:00+00:00", "commit": "abc1234", "machine": {"cpu": "test cpu", "cpus_usable": 2},
+        "command": "embedcar bench neighbour", "model": "m", "variant": "int8",
+        "config": {"rate": 100.0, "duration_s": 20.0, "warmup_s": 3.0, "sla_ms": 20.0},
+        "neighbour_alone": [300.0, 310.0], "complete": True,
+        "rows": [
+            {"config": "model-1t", "kind": "model", "quiet": _phase(2.5, 3.0, 2.0), "beside": None},
+            {"config": "model-2t", "kind": "model", "quiet": _phase(1.8, 2.4, 2.6), "beside": None},
+            {"config": "default", "kind": "embedded", "idle_core_share": 0.001,
+             "quiet": _phase(2.6, 3.4, 2.8), "beside": _phase(3.0, 5.0, 2.9, neighbour_qps=290.0)},
+            {"config": "before", "kind": "embedded", "idle_core_share": 0.002,
+             "quiet": _phase(2.2, 3.0, 13.0, cores=1.3), "beside": _phase(9.0, 25.0, 13.0, cores=1.3,
+                                                                          neighbour_qps=150.0)},
+            {"config": "triton", "kind": "triton", "idle_core_share": 0.05,
+             "quiet": _phase(4.0, 6.0, 0.9, server_cpu=3.0), "beside": _phase(5.0, 9.0, 0.9, errors=2,
+                                                                              neighbour_qps=280.0)},
+            {"config": "small-pass", "kind": "embedded", "skipped": "failed: test"},
+        ],
+    }
+
+
+def test_reference_is_the_models_lowest_cpu_and_its_faster_setting() -> None:
+    ref = reference(_synthetic())
+    assert ref == {"cpu_ms": 2.0, "p50": 1.8, "p95": 2.4, "latency_from": "model-2t"}
+
+
+def test_verdicts_follow_the_issue_targets() -> None:
+    rows = {r["config"]: r for r in table_rows(_synthetic())}
+    assert rows["model-1t"]["checks"] == {} and rows["small-pass"]["checks"] == {}
+    # default: 2.8 <= 2.0 + 1.0 CPU; P50 2.6 <= 1.8 + 1.0; P95 3.4 <= 1.5 x 2.4; the neighbour lost 5 %.
+    assert rows["default"]["failed"] == []
+    assert set(rows["default"]["checks"]) == {"cpu", "p50", "p95", "beside", "neighbour", "idle"}
+    assert rows["default"]["neighbour_loss"] == pytest.approx(1 - 290 / 305)
+    # before: 13 ms of CPU; P95 25 ms beside the neighbour; its loss (51 %) is within its 1.3 cores + 10.
+    assert rows["before"]["failed"] == ["cpu", "beside"]
+    # Triton: its sidecar's own CPU (0.9 <= 1.0) passes; errors beside it and 5 % of a core idle do not.
+    assert rows["triton"]["failed"] == ["beside", "idle"]
+    assert "p50" not in rows["triton"]["checks"]
+
+
+def test_neighbour_loss_beyond_the_sidecars_cores_fails() -> None:
+    row = {"kind": "embedded", "idle_core_share": 0.0, "quiet": _phase(2.0, 2.5, 2.5),
+           "beside": _phase(2.0, 2.5, 2.5, cores=0.25, neighbour_qps=180.0)}
+    ref = {"cpu_ms": 2.0, "p50": 1.8, "p95": 2.4}
+    assert checks(row, ref, 300.0, 20.0)["neighbour"] is False  # lost 40 % for a quarter of a core
+    assert checks(row, ref, 200.0, 20.0)["neighbour"] is True  # lost 10 %
+
+
+def test_markdown_has_one_row_per_configuration(tmp_path: Path) -> None:
+    result = _synthetic()
+    md = markdown(result)
+    rows = [line for line in md.splitlines() if line.startswith("| ")][1:]
+    assert [r.split("|")[1].strip().split(" ")[0] for r in rows] == [r["config"] for r in result["rows"]]
+    assert all(len(r.split("|")) == len(rows[0].split("|")) for r in rows)  # the skipped row too
+    assert "fails cpu, beside" in md and "| reference |" in md and "skipped: failed: test" in md
+    assert "Neighbour alone: 300, 310 queries/s" in md
+    paths = write_reports(result, tmp_path)
+    assert json.loads(paths["json"].read_text())["rows"][0]["config"] == "model-1t"
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_embedded_configuration_states_every_lever() -> None:
+    d, sc = ModelSettings(), SidecarSettings()
+    assert embedded_env("default") == {"EMBEDCAR_MODEL_ORT_SPINNING": str(d.ort_spinning).lower(),
+                                       "EMBEDCAR_MODEL_PAD_MULTIPLE": str(d.pad_multiple),
+                                       "EMBEDCAR_MODEL_SMALL_PASS_TOKENS": str(d.small_pass_tokens),
+                                       "EMBEDCAR_SIDECAR_INLINE_FORWARD": str(sc.inline_forward).lower()}
+    assert embedded_env("inline")["EMBEDCAR_SIDECAR_INLINE_FORWARD"] == "true"
+    before = embedded_env("before")
+    assert before["EMBEDCAR_MODEL_ORT_SPINNING"] == "true" and before["EMBEDCAR_MODEL_PAD_MULTIPLE"] == "0"
+
+
+def test_config_and_cli_lists_agree() -> None:
+    with pytest.raises(InvalidInput, match="unknown configuration"):
+        NeighbourConfig(configs=("default", "warp-drive")).validate()
+    assert ",".join(CONFIGS) == bench_cli.NEIGHBOUR_ALL_CONFIGS
+    assert ",".join(DEFAULT_CONFIGS) == bench_cli.NEIGHBOUR_CONFIGS
+
+
+@pytest.mark.slow
+def test_bench_neighbour_end_to_end(tmp_path: Path, model_dir: Path) -> None:
+    out = tmp_path / "report"
+    rc = cli_main(["bench", "neighbour", "--models-dir", str(model_dir.parent), "--variant", "int8",
+                   "--configs", "model-2t,default", "--rate", "20", "--duration", "2", "--warmup", "0.5",
+                   "--idle", "0.5", "--items", "2000", "--embedded-items", "32", "--out", str(out),
+                   "--data-dir", str(tmp_path / "data"), "--log-dir", str(tmp_path / "logs")])
+    assert rc == 0
+    assert {p.name for p in out.iterdir()} >= {"neighbour.json", "neighbour.md", "neighbour.png"}
+    result = json.loads((out / "neighbour.json").read_text())
+    assert result["complete"] and [r["config"] for r in result["rows"]] == ["model-2t", "default"]
+    assert len(result["neighbour_alone"]) == 2 and all(q > 0 for q in result["neighbour_alone"])
+    for row in result["rows"]:
+        assert not row.get("skipped")
+        for phase in ("quiet", "beside"):
+            fig = row[phase]
+            assert fig["requests"] == 40
+            assert 0 < fig["p50"] <= fig["p95"] < 10_000
+            assert 0 < fig["cpu_ms_per_query"] < 1_000
+        assert row["beside"]["neighbour_qps"] > 0
+    default = result["rows"][1]
+    assert default["env"]["EMBEDCAR_MODEL_ORT_SPINNING"] == "false"
+    assert 0 <= default["idle_core_share"] < 1
+    rows = [line for line in (out / "neighbour.md").read_text().splitlines() if line.startswith("| ")][1:]
+    assert [r.split("|")[1].strip().split(" ")[0] for r in rows] == ["model-2t", "default"]
+    assert rows[0].rstrip().endswith("| reference |")
+    assert rows[1].split("|")[-2].strip().startswith(("pass", "fails"))
