@@ -76,11 +76,15 @@ class ModelFolder:
         return (self.path / "modules.json").exists()
 
 
-def _json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path) -> Any:
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ModelError(f"{path}: cannot read it as JSON: {exc}") from exc
+
+
+def _json(path: Path) -> dict[str, Any]:
+    data = _read_json(path)
     if not isinstance(data, dict):
         raise ModelError(f"{path}: expected a JSON object")
     return data
@@ -90,10 +94,7 @@ def _modules(src: Path) -> list[dict[str, Any]]:
     path = src / "modules.json"
     if not path.exists():
         return []
-    try:
-        mods = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"{path}: cannot read it as JSON: {exc}") from exc
+    mods = _read_json(path)
     if not isinstance(mods, list):
         raise ModelError(f"{path}: expected a list of modules")
     for m in mods:

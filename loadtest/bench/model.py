@@ -21,7 +21,8 @@ from inference.tokenizer import TokenBatch
 SHAPES: tuple[tuple[int, int], ...] = ((1, 16), (1, 32), (1, 64), (1, 128), (32, 32))
 
 
-def _batch(manifest: Manifest, b: int, n: int, rng: np.random.Generator) -> TokenBatch:
+def token_batch(manifest: Manifest, b: int, n: int, rng: np.random.Generator) -> TokenBatch:
+    """`b` rows of `n` random in-vocabulary ids, all attended: latency depends on the shape only."""
     ids = rng.integers(1000, 20000, size=(b, n), dtype=np.int64)
     ids[:, 0] = manifest.special_ids[1] if len(manifest.special_ids) > 1 else 101
     mask = np.ones((b, n), dtype=np.int64)
@@ -29,6 +30,7 @@ def _batch(manifest: Manifest, b: int, n: int, rng: np.random.Generator) -> Toke
 
 
 def time_calls(backend: OnnxBackend, batch: TokenBatch, reps: int) -> np.ndarray:
+    """`reps` call times in ms, after a warm-up of max(3, reps / 20) calls."""
     for _ in range(max(3, reps // 20)):
         backend.embed_sync(batch)
     out = np.empty(reps)
@@ -55,7 +57,7 @@ def run(model_dir: Path, variants: Sequence[str], threads: Sequence[int], reps: 
         for t in threads:
             backend = OnnxBackend(model_dir, manifest, variant=variant, threads=t)
             for b, n in SHAPES:
-                ms = time_calls(backend, _batch(manifest, b, n, rng), reps if b == 1 else max(10, reps // 10))
+                ms = time_calls(backend, token_batch(manifest, b, n, rng), reps if b == 1 else max(10, reps // 10))
                 medians[(variant, t, (b, n))] = float(np.median(ms))
                 lines.append(f"| {variant} | {t} | {b} x {n} | {np.median(ms):.2f} | {np.percentile(ms, 95):.2f} |")
     lines.append("")

@@ -21,7 +21,6 @@ import datetime as dt
 import json
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,7 @@ from inference.errors import InvalidInput, ModelError
 from inference.files import atomic_write_text
 from inference.manifest import Manifest, load_manifest
 from inference.settings import ModelSettings
-from inference.tokenizer import TokenBatch
+from loadtest.bench.model import time_calls, token_batch
 from loadtest.bench.model_verdict import SCHEMA, Rule, check_shape, finish, markdown, save_png
 from loadtest.bench.serving import git_commit, machine_info
 
@@ -69,25 +68,6 @@ class ReportConfig:
         return self
 
 
-def token_batch(manifest: Manifest, batch: int, tokens: int, rng: np.random.Generator) -> TokenBatch:
-    """`batch` rows of `tokens` random in-vocabulary ids, all attended: latency depends on the shape only."""
-    ids = rng.integers(1000, 20000, size=(batch, tokens), dtype=np.int64)
-    mask = np.ones((batch, tokens), dtype=np.int64)
-    return TokenBatch(ids, mask, np.zeros_like(ids) if manifest.has_token_type_ids else None)
-
-
-def timed_ms(backend: OnnxBackend, batch: TokenBatch, samples: int) -> np.ndarray:
-    """`samples` call times in ms, after a warm-up of max(3, samples / 20) calls."""
-    for _ in range(max(3, samples // 20)):
-        backend.embed_sync(batch)
-    out = np.empty(samples)
-    for i in range(samples):
-        t0 = time.perf_counter()
-        backend.embed_sync(batch)
-        out[i] = time.perf_counter() - t0
-    return out * 1e3
-
-
 def index_bytes_per_item(dim: int, cs: CatalogSettings) -> dict[str, int]:
     """Bytes one more item adds to the index: flat float32, and the catalog's `ivfpq` (4-bit PQ codes
     + the re-rank copy + an int64 id); per-index constants (centroids, codebooks) left out."""
@@ -108,10 +88,10 @@ def measure_speed(model_dir: Path, manifest: Manifest, variant: str, ms: ModelSe
     rng = np.random.default_rng(cfg.seed)
     latency = {}
     for b, n in SHAPES:
-        t = timed_ms(backend, token_batch(manifest, b, n, rng), cfg.latency_samples)
+        t = time_calls(backend, token_batch(manifest, b, n, rng), cfg.latency_samples)
         latency[f"{b}x{n}"] = {"p50": round(float(np.median(t)), 3), "p95": round(float(np.percentile(t, 95)), 3),
                                "samples": cfg.latency_samples}
-    t = timed_ms(backend, token_batch(manifest, cfg.batch, cfg.tokens, rng), cfg.throughput_samples)
+    t = time_calls(backend, token_batch(manifest, cfg.batch, cfg.tokens, rng), cfg.throughput_samples)
     median_s = float(np.median(t)) / 1e3
     return {"latency_ms": latency, "threads": backend.threads,
             "throughput": {"texts_per_s": round(cfg.batch / median_s, 1), "batch_ms_p50": round(median_s * 1e3, 2),
