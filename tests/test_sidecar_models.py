@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 
 from demo_ui.settings import Settings
-from inference.backends.onnx import OnnxBackend
+from inference.backends.factory import make_backend
 from inference.embedder import Embedder, load_tokenizer
 from inference.errors import FailedPrecondition, InvalidInput
 from inference.manifest import Manifest, load_manifest
 from inference.prepare import prepare_model
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.client import AsyncClient, Client
+from sidecar.models import model_settings
 from tests.fixtures_models import tiny_st_folder
 from tests.fixtures_sidecar import sidecar_settings
 
@@ -43,10 +44,11 @@ def two_models(settings: Settings, model_dir: Path, tmp_path_factory: pytest.Tem
 
 
 def _own(sc: Sidecar, name: str, texts: list[str]) -> tuple[np.ndarray, Manifest]:
-    """What the named model computes for `texts` in-process, with its own default variant and prompt."""
+    """What the named model computes for `texts` in-process, with its own default variant and prompt,
+    on a backend built as the sidecar builds its own (int8's activation scales follow the padding)."""
     model_dir = sc.settings.model.models_dir / name
     m = load_manifest(model_dir)
-    backend = OnnxBackend(model_dir, m, threads=1)
+    backend = make_backend(model_settings(sc.settings, name), "embedded")
     return asyncio.run(Embedder(load_tokenizer(model_dir, m), backend).embed(texts)).embeddings, m
 
 
