@@ -9,7 +9,7 @@ MODEL := models/all-MiniLM-L6-v2/manifest.json
 # dependencies: we use only the binary, and its Python API pins numpy < 2.
 PYTRITON := nvidia-pytriton==0.7.0
 
-.PHONY: install model demo test faults lint lock clean browser native infinity
+.PHONY: install model demo test faults lint lock clean browser native java infinity
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -28,7 +28,7 @@ model: $(MODEL)
 demo: $(MODEL)
 	$(BIN)/embedcar demo
 
-test: $(MODEL) browser native
+test: $(MODEL) browser native java
 	$(BIN)/python -m pytest -q -ra
 
 # The fault suite at full length (tens of minutes, wants an otherwise idle machine): docs/reliability.md.
@@ -48,6 +48,14 @@ native:
 	@test -f /usr/include/grpcpp/generic/generic_stub.h || { \
 	  (apt-get update -qq && apt-get install -y -qq g++ libgrpc++-dev) >/dev/null 2>&1 \
 	  || echo "libgrpc++-dev could not be installed: the native load generator's tests will be skipped"; }
+
+# Debian's grpc-java, its runtime jars and protoc plugin, and a JDK for the Java client (sidecar/java/,
+# built by sidecar/java_client.py, which names the packages; no Maven). Best effort: without them the
+# Java client's tests skip and say why.
+java: $(STAMP)
+	@$(BIN)/python -m sidecar.java_client --check >/dev/null 2>&1 || { \
+	  (apt-get update -qq && apt-get install -y -qq $$($(BIN)/python -m sidecar.java_client --packages)) >/dev/null 2>&1 \
+	  || echo "grpc-java could not be installed: the Java client's tests will be skipped"; }
 
 # Infinity (infinity-emb) in its own venv, for `embedcar bench serving` and `loadtest --target infinity`.
 # torch 2.13.0 first: a CPU wheel on local disk (any other pin downloads a multi-GB CUDA build).

@@ -1,4 +1,4 @@
-"""`embedcar catalog build|merge|generate|search|info|quality` (benchmarks: `embedcar bench catalog`)."""
+"""`embedcar catalog build|merge|generate|search|info|export|quality` (benchmarks: `embedcar bench catalog`)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,17 @@ def register(sub: Any) -> None:
     i = csub.add_parser("info", help="print the newest index version's manifest")
     _common(i, source=False)
     i.set_defaults(func=_info)
+
+    x = csub.add_parser("export", help="the newest index version of the served model as a search engine's bulk feed "
+                        "(docs/integrations/)")
+    x.add_argument("format", choices=("elasticsearch", "opensearch", "solr", "vespa"))
+    x.add_argument("--out", required=True, help="file to write ('-' = stdout)")
+    x.add_argument("--index", default="products", help="Elasticsearch/OpenSearch index name")
+    x.add_argument("--field", default="embedding", help="the vector field's name in the engine's schema")
+    x.add_argument("--namespace", default="shop", help="Vespa document ids: id:NAMESPACE:DOC_TYPE::<product id>")
+    x.add_argument("--doc-type", default="product", help="Vespa document type")
+    _common(x, source=False)
+    x.set_defaults(func=_export)
 
     q = csub.add_parser("quality", help="weak-label recall@10 / nDCG@10 per variant and pooling mode; with "
                         "--prefixes, per search mode on query prefixes over the newest index version")
@@ -161,6 +172,27 @@ def _info(args: argparse.Namespace) -> int:
     if newest is None:
         raise NotFound(f"no complete index under {settings.catalog.index_root}")
     print(json.dumps(store.read_manifest(newest) | {"path": str(newest)}, indent=2))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from catalog.export import ExportSpec, version_for, write_export
+    from inference.manifest import load_manifest
+
+    settings = _settings(args)
+    m = settings.model
+    model_id = load_manifest(m.model_dir).variant_id(m.served_variant())
+    version = version_for(settings.catalog.index_root, model_id)
+    spec = ExportSpec(args.format, index=args.index, field=args.field, namespace=args.namespace,
+                      doc_type=args.doc_type)
+    if args.out == "-":
+        n = write_export(version, spec, sys.stdout)
+    else:
+        with Path(args.out).open("w", encoding="utf-8") as out:
+            n = write_export(version, spec, out)
+    dim = store.read_manifest(version)["dim"]
+    print(f"exported {n} products ({dim}-d vectors of {model_id}) from {version.name} as {args.format}"
+          f" to {args.out}", file=sys.stderr)
     return 0
 
 

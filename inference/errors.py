@@ -57,6 +57,12 @@ class Overloaded(EmbedcarError):
     """Rate limit or admission control said no; retry after `retry_after_s`."""
 
 
+class Shed(Overloaded):
+    """Refused by gRPC's C core before the sidecar ran any code: too many calls were waiting for its
+    event loop (`sidecar.transport_backlog`). gRPC answers such a call CANCELLED and the sidecar has no
+    say in that status, so a client reads a CANCELLED it did not cause as this (retry elsewhere or later)."""
+
+
 class DeadlineExceeded(EmbedcarError):
     """The request's deadline passed (or would pass) before an answer."""
 
@@ -90,6 +96,7 @@ ERROR_CODES: dict[type[EmbedcarError], ErrorCode] = {
     PayloadTooLarge: ErrorCode("INVALID_ARGUMENT", 413, "invalid_argument"),
     Unauthenticated: ErrorCode("UNAUTHENTICATED", 401, "unauthenticated"),
     Overloaded: ErrorCode("RESOURCE_EXHAUSTED", 429, "resource_exhausted"),
+    Shed: ErrorCode("CANCELLED", 429, "shed"),
     DeadlineExceeded: ErrorCode("DEADLINE_EXCEEDED", 504, "deadline_exceeded"),
     Unavailable: ErrorCode("UNAVAILABLE", 503, "unavailable"),
     NotFound: ErrorCode("NOT_FOUND", 404, "not_found"),

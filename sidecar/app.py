@@ -39,6 +39,7 @@ from sidecar.scheduler import BackendHealth, FallbackScheduler
 from sidecar.search_index import IndexHolder
 from sidecar.service import EmbedService
 from sidecar.settings import Settings
+from sidecar.shedding import Gate
 from sidecar.unix_socket import UnixSocket
 
 if TYPE_CHECKING:
@@ -75,6 +76,8 @@ class Sidecar:
         self.service = EmbedService(self.models, keys=self.keys, limiter=RateLimiter(s.rate_per_s, s.burst),
                                     metrics=self.metrics, default_deadline_s=s.default_deadline_ms / 1e3,
                                     max_k=s.max_k)
+        in_flight = s.max_in_flight or (s.max_pending_batches + 1) * s.max_rows_per_pass
+        self.gate = Gate(lambda: self.models.default.admission, self.metrics, in_flight)
         self.grpc_port = 0
         self.uds: UnixSocket | None = None
         self.http_port: int | None = None
@@ -161,7 +164,7 @@ class Sidecar:
         await self._set_health(False)  # NOT_SERVING until the backend is warm
         if self._settle_heap:  # the process's collector is ours to report
             self._unwatch_gc = heap.watch_pauses(self.metrics.observe_gc_pause)
-        servicer = EmbedderServicer(self.service, self.metrics)
+        servicer = EmbedderServicer(self.service, self.metrics, self.gate)
         self._grpc, self.grpc_port, self.uds = create_server(s, servicer, self._health)
         await self._grpc.start()
         if s.http_port >= 0:
@@ -242,11 +245,13 @@ class Sidecar:
         import uvicorn
 
         from sidecar.http_api import create_app
+        from sidecar.http_protocol import UpgradeTolerantHttp
 
-        app = create_app(self.service, self.metrics, max_body_bytes=max_bytes, serving=lambda: self.serving)
+        app = create_app(self.service, self.metrics, max_body_bytes=max_bytes, serving=lambda: self.serving,
+                         gate=self.gate)
         sock = listen_tcp(host, port)
         self.http_port = int(sock.getsockname()[1])
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+        config = uvicorn.Config(app, http=UpgradeTolerantHttp, log_level="warning", access_log=False, lifespan="off",
                                 limit_concurrency=None, timeout_graceful_shutdown=int(self.settings.sidecar.grace_s))
         self._http = uvicorn.Server(config)
         self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]), name="http")
@@ -313,6 +318,10 @@ class SidecarThread:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sidecar", daemon=True)
         self.sidecar: Sidecar | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
 
     def call(self, coro: Any, timeout: float = 120.0) -> Any:
         """Run `coro` on the sidecar's loop and wait for its result."""

@@ -24,4 +24,6 @@ def from_grpc(code: grpc.StatusCode, details: str | None, retry_after_s: float |
     cls = error_for_grpc(code.name)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and details and "larger than max" in details:
         cls = PayloadTooLarge  # grpc's own max-message-size check: the request, not the server, is at fault
+    if code == grpc.StatusCode.CANCELLED:  # see Shed: gRPC's own refusal carries no message of ours
+        details = f"refused in the transport: too many calls waiting ({details or 'cancelled'})"
     return cls(details or code.name.lower(), retry_after_s=retry_after_s)

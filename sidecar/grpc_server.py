@@ -30,6 +30,7 @@ from sidecar.metrics import Metrics
 from sidecar.proto import embedcar_pb2 as pb
 from sidecar.service import EmbedService
 from sidecar.settings import SidecarSettings
+from sidecar.shedding import Gate
 from sidecar.unix_socket import UnixSocket, bind_unix_socket, prepare_unix_socket
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
@@ -53,6 +54,14 @@ def _known_fields(msg: Any) -> Any:
     if len(unknown_fields.UnknownFieldSet(msg)):
         raise InvalidInput(f"request has fields unknown to {msg.DESCRIPTOR.full_name}: wrong proto version?")
     return msg
+
+
+def _stream_id(raw: bytes) -> int:
+    """A Stream request's id, read without checking the rest (0 where it cannot be read)."""
+    try:
+        return int(pb.StreamRequest.FromString(raw).id)
+    except DecodeError:
+        return 0
 
 
 def _key_in(metadata: Any) -> str | None:
@@ -103,9 +112,10 @@ class EmbedderServicer:
     once for a unary call (an error ends the call with its status) and once for a stream message (an
     error is that request's reply)."""
 
-    def __init__(self, service: EmbedService, metrics: Metrics) -> None:
+    def __init__(self, service: EmbedService, metrics: Metrics, gate: Gate | None = None) -> None:
         self.service = service
         self.metrics = metrics
+        self.gate = gate  # refuses at once under overload, before a request is parsed (sidecar.shedding)
         # Label lookups cost ~15 µs each: bind the hot ones once.
         self._ok = {"embed": metrics.requests.labels("embed", "ok"), "search": metrics.requests.labels("search", "ok")}
 
@@ -126,16 +136,32 @@ class EmbedderServicer:
         stream_deadline = _deadline(context)
         writing = asyncio.Lock()
 
+        gate = self.gate
+
         async def answer(raw: bytes) -> None:
             reply = await self._stream_one(raw, key, stream_deadline)
             async with writing:
                 await context.write(reply.SerializeToString())
 
+        async def refuse(raw: bytes, exc: EmbedcarError) -> None:
+            reply = pb.StreamReply(id=_stream_id(raw), error=self._error("stream", exc))
+            async with writing:
+                await context.write(reply.SerializeToString())
+
         async with asyncio.TaskGroup() as tasks:  # the client leaving cancels what is still running
             async for raw in requests:
-                tasks.create_task(answer(raw))
+                refused = gate.enter() if gate is not None else None
+                if refused is None:
+                    task = tasks.create_task(answer(raw))
+                    if gate is not None:  # a callback, not `finally`: a task cancelled before it ran counts too
+                        task.add_done_callback(lambda _t: gate.leave())
+                else:
+                    await refuse(raw, refused)
 
     async def _unary(self, rpc: str, cls: type[Any], raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        refused = self.gate.refusal() if self.gate is not None else None
+        if refused is not None:
+            await self._abort(context, rpc, refused)
         try:
             reply = await self._handle(rpc, _parse(cls, raw), _api_key(context), _deadline(context))
         except EmbedcarError as exc:
@@ -224,6 +250,7 @@ def create_server(settings: SidecarSettings, servicer: EmbedderServicer,
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", max(limit, 64 * 1024 * 1024)),
         ("grpc.so_reuseport", 0),
+        *backlog_options(settings.transport_backlog),
     ])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
         # No (de)serializers: the servicer parses bytes itself (see module docstring).
@@ -239,6 +266,17 @@ def create_server(settings: SidecarSettings, servicer: EmbedderServicer,
     port = server.add_insecure_port(address)
     uds = bind_unix_socket(server, uds_path) if uds_path is not None else None
     return server, port, uds
+
+
+def backlog_options(backlog: int) -> list[tuple[str, int]]:
+    """gRPC C core's cap on calls waiting for the event loop to take them (grpc.aio takes one at a time).
+    Past the soft limit C core refuses new calls at random, past the hard one always, without running
+    Python: the one refusal that stays cheap when the loop itself is what is overloaded (issue 27's
+    measurements: docs/reliability.md). `maximum_concurrent_rpcs` refuses in Cython after the loop took
+    the call, at ~90 % of a handler's cost, and would count open Streams and health watches too."""
+    if backlog <= 0:
+        return []
+    return [("grpc.server.max_pending_requests", backlog), ("grpc.server.max_pending_requests_hard_limit", 2 * backlog)]
 
 
 def health_status(serving: bool) -> Any:

@@ -34,6 +34,7 @@ from inference.pooling import l2_normalize
 from sidecar.errors import http_status
 from sidecar.metrics import Metrics
 from sidecar.service import EmbedService
+from sidecar.shedding import Gate, HttpGate
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +42,23 @@ ALLOWED_FIELDS = frozenset({"input", "model", "encoding_format", "user", "dimens
 SEARCH_FIELDS = frozenset({"input", "k", "department", "aisle", "mode", "model"})
 
 
-def _error(exc: EmbedcarError) -> JSONResponse:
-    status = http_status(exc)
-    headers: dict[str, str] = {}
+def error_parts(exc: EmbedcarError) -> tuple[int, dict[str, str], bytes]:
+    """An error reply's status, headers and JSON body."""
+    headers: dict[str, str] = {"content-type": "application/json"}
     if exc.retry_after_s is not None:
         headers["Retry-After"] = f"{max(1, round(exc.retry_after_s))}"
     if isinstance(exc, Unauthenticated):
         headers["WWW-Authenticate"] = "Bearer"
     # A message may quote the caller's input, lone surrogates included: escape what UTF-8 cannot carry.
     message = exc.message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return JSONResponse({"error": {"message": message, "type": exc.code}}, status_code=status, headers=headers)
+    body = json.dumps({"error": {"message": message, "type": exc.code}}, ensure_ascii=False,
+                      separators=(",", ":")).encode()  # as JSONResponse writes it
+    return http_status(exc), headers, body
+
+
+def _error(exc: EmbedcarError) -> Response:
+    status, headers, body = error_parts(exc)
+    return Response(body, status_code=status, headers=headers)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -182,8 +190,11 @@ def _api_key(request: Request) -> str | None:
 
 
 def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
-               serving: Callable[[], bool]) -> FastAPI:
+               serving: Callable[[], bool], gate: Gate | None = None) -> FastAPI:
+    """`gate`: refuse POSTs at once under overload (sidecar.shedding), before routing and the body."""
     app = FastAPI(title="embedcar sidecar", docs_url=None, redoc_url=None, openapi_url=None)
+    if gate is not None:
+        app.add_middleware(HttpGate, gate=gate, error=error_parts)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:

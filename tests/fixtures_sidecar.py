@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -17,7 +17,7 @@ import pytest
 from demo_ui.settings import Settings
 from inference.backends.base import Backend, Embeddings
 from inference.backends.onnx import OnnxBackend
-from inference.errors import Unavailable
+from inference.errors import DeadlineExceeded, EmbedcarError, Unavailable
 from inference.tokenizer import TokenBatch
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.client import Client
@@ -46,11 +46,26 @@ def sidecar_client(sidecar_embedded: Sidecar) -> Iterator[Client]:
         yield c
 
 
+async def until(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Wait for an event the test caused on the sidecar's loop; the timeout only stops a test whose
+    event never comes (and names it), it decides nothing on a slow machine."""
+    async def poll() -> None:
+        while not cond():  # noqa: ASYNC110 - set on the sidecar's loop, another thread: no asyncio.Event to share
+            await asyncio.sleep(0.005)
+
+    try:
+        await asyncio.wait_for(poll(), timeout_s)
+    except TimeoutError:
+        pytest.fail(f"never happened: {what}")
+
+
 class ProbeBackend(Backend):
     """The real ORT backend behind a switchboard: counts calls, can hold them, or act as down.
 
     Used where a test must observe what reaches the backend (deadlines, single-flight, faults);
-    the embeddings still come from real ONNX Runtime.
+    the embeddings still come from real ONNX Runtime. Like a real backend it honours each call's
+    `timeout_s` (recorded in `timeouts`): a call held past it fails with DeadlineExceeded.
+    `entered` is set when a call reaches the backend, so a test can wait for that event.
     """
 
     name = "embedded"  # goes through the sidecar's micro-batcher like the real one
@@ -62,9 +77,12 @@ class ProbeBackend(Backend):
         self.max_batch = inner.max_batch
         self.calls = 0
         self.rows = 0
+        self.timeouts: list[float | None] = []  # each call's timeout_s, in call order
+        self.entered = threading.Event()  # set by every call that reaches the backend
         self.hold = threading.Event()
         self.hold.set()  # set = let calls through
         self.down = False
+        self.fail: EmbedcarError | None = None  # raised by the next calls (after they were let through)
 
     async def start(self) -> None:
         return None
@@ -74,8 +92,13 @@ class ProbeBackend(Backend):
             raise Unavailable("probe backend is down")
         self.calls += 1
         self.rows += batch.shape[0]
-        if not self.hold.is_set():  # a threading.Event: the test thread opens it
-            await asyncio.to_thread(self.hold.wait, 30)
+        self.timeouts.append(timeout_s)
+        self.entered.set()
+        # A threading.Event: the test thread opens it.
+        if not self.hold.is_set() and not await asyncio.to_thread(self.hold.wait, timeout_s or 30):
+            raise DeadlineExceeded(f"probe backend held the call past its {timeout_s} s timeout")
+        if self.fail is not None:
+            raise self.fail
         return await self.inner.embed(batch)
 
     def ready(self) -> bool:
@@ -83,6 +106,14 @@ class ProbeBackend(Backend):
 
     async def close(self) -> None:
         return None
+
+
+class DirectProbeBackend(ProbeBackend):
+    """A ProbeBackend that batches itself, as Triton does: the sidecar sends each request straight
+    through its DirectScheduler (the Triton path) instead of the micro-batcher."""
+
+    name = "triton"
+    batches_itself = True
 
 
 @pytest.fixture

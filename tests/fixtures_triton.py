@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from inference.settings import Settings
-from inference.triton.launcher import TritonServer, triton_unavailable_reason
+from inference.triton.launcher import TritonServer
+from tests.components import require_triton
 
 
 def triton_settings(settings: Settings, root: Path) -> Settings:
@@ -27,9 +28,7 @@ def triton_settings(settings: Settings, root: Path) -> Settings:
 @pytest.fixture(scope="session")
 def _triton_session(settings: Settings, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                     ) -> Iterator[TritonServer]:
-    reason = triton_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    require_triton()
     s = triton_settings(settings, tmp_path_factory.mktemp("triton"))
     server = TritonServer(s, variant="fp32")
     server.start()
@@ -48,9 +47,7 @@ def triton_server(_triton_session: TritonServer) -> TritonServer:
 @pytest.fixture
 def own_triton(settings: Settings, model_dir: Path, tmp_path: Path) -> Iterator[TritonServer]:
     """A tritonserver of the test's own on fresh ports (the ones a test may kill), stopped after it."""
-    reason = triton_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    require_triton()
     server = TritonServer(triton_settings(settings, tmp_path), variant="fp32")
     server.start()
     try:

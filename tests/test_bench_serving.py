@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +32,10 @@ from loadtest.bench.serving import (
     write_reports,
 )
 from loadtest.infinity import DEFAULT_EXE, InfinityServer, infinity_unavailable_reason, prepare_folder
-from loadtest.native import native_unavailable_reason
 from loadtest.runner import RunConfig
 from loadtest.targets import StubTarget, Target, Timings
 from sidecar.settings import Settings as SidecarSettings
+from tests.components import native_available
 
 
 def _run(p50: float | None, p95: float | None, p99: float | None = None, *, rate: float = 100.0,
@@ -126,31 +124,37 @@ def test_report_files_one_table_row_per_target_and_variant(tmp_path: Path) -> No
 
 
 class BusyAboveRate(Target):
-    """Answers in 1 ms while offered at most `limit`/s (over its last calls), else in 30 ms."""
+    """Answers in 1 ms when offered at most `limit`/s, else in 1 s: far over the test's SLA either way.
+
+    The offered rate comes from the schedule, not a stopwatch: the sweep asks for as many texts as
+    the step sends (rate x its seconds), and `step_texts` writes that count into each one.
+    """
 
     name = "busy"
 
-    def __init__(self, limit: float) -> None:
+    def __init__(self, limit: float, seconds: float) -> None:
         self.limit = limit
-        self.calls: deque[float] = deque(maxlen=6)
+        self.seconds = seconds
 
     async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
-        self.calls.append(time.perf_counter())
-        span = self.calls[-1] - self.calls[0]
-        busy = len(self.calls) > 2 and span > 0 and (len(self.calls) - 1) / span > self.limit
-        await asyncio.sleep(0.03 if busy else 0.001)
+        await asyncio.sleep(1.0 if int(texts[0]) / self.seconds > self.limit else 0.001)
         return None
 
 
+def step_texts(n: int) -> list[str]:
+    return [str(n)] * n
+
+
 async def test_sweep_drops_a_target_at_its_first_failing_rate() -> None:
-    steady = Contender("steady", "x", StubTarget(1.0))
-    busy = Contender("busy", "x", BusyAboveRate(60.0))
     base = RunConfig(rate=20, duration_s=0.5, warmup_s=0.15, deadline_ms=5000)
-    out = await sweep_targets([steady, busy], [20, 40, 80, 100], base, lambda n: ["q"] * n, sla_ms=20.0,
+    steady = Contender("steady", "x", StubTarget(1.0))
+    busy = Contender("busy", "x", BusyAboveRate(60.0, base.warmup_s + base.duration_s))
+    # SLA 500 ms: 1 ms answers pass with room for a busy machine, 1 s answers cannot.
+    out = await sweep_targets([steady, busy], [20, 40, 80, 100], base, step_texts, sla_ms=500.0,
                               settle_s=0.0, settle_max_s=5.0)
     assert [s["rate"] for s in out["busy:x"]["steps"]] == [20, 40, 80]  # not run at 100: dropped at 80
     assert out["busy:x"]["best_rate"] == 40 and out["busy:x"]["dropped_at"] == 80
-    assert not out["busy:x"]["steps"][-1]["pass"] and out["busy:x"]["steps"][-1]["p95"] > 20
+    assert not out["busy:x"]["steps"][-1]["pass"] and out["busy:x"]["steps"][-1]["p95"] > 500
     assert [s["rate"] for s in out["steady:x"]["steps"]] == [20, 40, 80, 100]
     assert out["steady:x"]["best_rate"] == 100 and out["steady:x"]["dropped_at"] is None
 
@@ -207,7 +211,7 @@ def test_cli_defaults_match_the_modules() -> None:
 def test_bench_serving_end_to_end_over_floor_grpc_and_http(tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "report"
     # The compiled sender's row too, where it builds here (else it is a skipped row: tests/test_loadtest_native.py).
-    native = native_unavailable_reason() is None
+    native = native_available()
     kinds = ["floor", "grpc", *(["stream-native"] if native else []), "http"]
     rc = cli_main(["bench", "serving", "--models-dir", str(model_dir.parent), "--variants", "fp32",
                    "--targets", ",".join(kinds), "--rate", "20", "--duration", "2", "--warmup", "1", "--rounds", "1",

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from inference.cli_main import main as cli_main
 from loadtest.bench.transport import NATIVE_TRANSPORTS, TRANSPORTS, markdown, run
-from loadtest.native import native_unavailable_reason
+from tests.components import native_available
 
 # The compiled sender's rows where it builds here (tests/test_loadtest_native.py says why not).
-EXPECTED = TRANSPORTS + (NATIVE_TRANSPORTS if native_unavailable_reason() is None else ())
+EXPECTED = TRANSPORTS + (NATIVE_TRANSPORTS if native_available() else ())
 
 
 def test_every_transport_echoes_and_is_timed() -> None:
+    t0 = time.perf_counter()
     result = run(rounds=1, block=5, gap_ms=1.0)
+    whole_ms = (time.perf_counter() - t0) * 1e3
     assert tuple(result) == EXPECTED
     for figures in result.values():
-        assert 0 < figures["p50_ms"] <= figures["p95_ms"] < 1000
+        # Timed, in milliseconds: no echo outlasts the whole run (a bound that holds however busy
+        # the machine is; a fixed ceiling would not).
+        assert 0 < figures["p50_ms"] <= figures["p95_ms"] <= whole_ms
         assert figures["client_cpu_ms"] > 0 and figures["server_cpu_ms"] >= 0
     table = markdown(result, rounds=1, block=5, gap_ms=1.0)
     assert [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "ms" not in line

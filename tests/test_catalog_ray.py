@@ -19,9 +19,11 @@ from catalog.job import BuildSummary, build
 from catalog.sources import Loaded
 from catalog.spec import BuildSpec
 from demo_ui.settings import Settings
+from tests.components import require_package
 from tests.fixtures_catalog import catalog_settings_for
 
-ray = pytest.importorskip("ray", reason="ray is not installed: pip install -c constraints.txt -e '.[ray]'")
+require_package("ray")  # the [ray] extra: `make install` installs it
+ray = pytest.importorskip("ray")
 
 
 class Crash(Exception):

@@ -14,6 +14,7 @@ from inference.embedder import Embedder
 from inference.errors import InvalidInput
 from inference.manifest import Manifest, verify_files
 from inference.tokenizer import QueryTokenizer
+from tests.components import require_variant
 from tests.conftest import GOLDEN
 
 GOLDEN_FILE = GOLDEN / "all-MiniLM-L6-v2.json"
@@ -35,8 +36,7 @@ def test_manifest_matches_files(model_dir: Path, manifest: Manifest) -> None:
 @pytest.mark.parametrize(("variant", "min_cos"), [("fp32", 0.9999), ("fp16", 0.9999), ("int8", 0.98)])
 def test_variants_match_pytorch_golden(model_dir: Path, manifest: Manifest, tokenizer: QueryTokenizer,
                                        variant: str, min_cos: float) -> None:
-    if variant not in manifest.variants:
-        pytest.skip(f"{variant} was refused at export on this machine (see manifest)")
+    require_variant(manifest, variant)
     texts, gold = _golden()
     backend = OnnxBackend(model_dir, manifest, variant=variant, threads=2)
     got = asyncio.run(Embedder(tokenizer, backend).embed(texts)).embeddings

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from demo_ui.settings import Settings
-from inference.triton.launcher import triton_unavailable_reason
 from loadtest.faults import overload, triton_kill, triton_pool
 from loadtest.faults.result import ScenarioResult
+from tests.components import require_triton
 
 
 def outage_only(settings: Settings) -> Settings:
@@ -28,9 +28,7 @@ def checks(res: ScenarioResult) -> dict[str, bool]:
 
 
 def needs_triton() -> None:
-    reason = triton_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    require_triton()
 
 
 @pytest.mark.triton
@@ -59,11 +57,14 @@ def test_triton_pool_scenario(settings: Settings, model_dir: Path, tmp_path: Pat
 def test_overload_scenario(settings: Settings, model_dir: Path, tmp_path: Path) -> None:
     res = overload.run(settings, tmp_path, quick=True)
     fig = res.figures["overload"]["2x"]
-    # Overload is refused with RESOURCE_EXHAUSTED (never an error or a crash), HTTP 429s say when
+    # Overload is refused with RESOURCE_EXHAUSTED, or by gRPC's C core while the event loop lags behind
+    # (shed: see sidecar.grpc_server.backlog_options), never an error or a crash; HTTP 429s say when
     # to retry, memory stays flat, and the sidecar serves normally afterwards.
-    assert set(fig["codes"]) <= {"ok", "resource_exhausted", "deadline_exceeded"}, fig["codes"]
+    assert set(fig["codes"]) <= {"ok", "resource_exhausted", "shed", "deadline_exceeded"}, fig["codes"]
     assert fig["codes"].get("resource_exhausted", 0) > 0 and fig["codes"].get("ok", 0) > 0
     got = checks(res)
     assert got["2x: HTTP 429 carries Retry-After"] and fig["retry_after_probe"]["http_429"] > 0
     assert got["2x: sidecar RSS bounded"], fig
-    assert res.figures["after"]["median_ms"] < 1000
+    # And it serves afterwards: the 20 normal calls after the storm each answered within their 2 s
+    # deadline (a failed one raises). How fast is the scenario's own check, a figure for the report.
+    assert res.figures["after"]["max_ms"] <= 2000

@@ -47,12 +47,12 @@ def test_baseline_rejects_empty_input(baseline: BaselineServer) -> None:
 def test_cli_runs_a_short_load_test_against_the_baseline(baseline: BaselineServer, tmp_path: Path,
                                                          model_dir: Path) -> None:
     rc = cli_main(["loadtest", "--target", "baseline", "--baseline-url", baseline.url, "--rate", "4",
-                   "--duration", "2", "--warmup", "0.5", "--no-cache", "--sla-ms", "5000",
+                   "--duration", "2", "--warmup", "0.5", "--no-cache", "--sla-ms", "30000", "--deadline-ms", "30000",
                    "--models-dir", str(model_dir.parent), "--out", str(tmp_path), "--name", "smoke"])
     summary = json.loads((tmp_path / "smoke.json").read_text())
     assert summary["requests"] == 8
     assert summary["errors"] == {}, summary["error_examples"]
-    assert rc == 0 and summary["sla"]["pass"]
+    assert rc == 0 and summary["sla"]["pass"]  # end to end, not speed: 30 s leaves a busy machine out of it
     assert (tmp_path / "smoke.png").stat().st_size > 0 and (tmp_path / "smoke.md").exists()
 
 

@@ -21,13 +21,14 @@ from inference.errors import DeadlineExceeded, InvalidInput, Unauthenticated, Un
 from inference.ports import free_port
 from inference.tokenizer import QueryTokenizer
 from loadtest import native
-from loadtest.native import NativeTarget, build_loadgen, native_unavailable_reason
+from loadtest.native import NativeTarget, build_loadgen
 from loadtest.queries import query_stream
 from loadtest.report import summarize
 from loadtest.runner import OK, RunConfig, RunResult, run_load
 from loadtest.stack import TargetSpec
 from loadtest.targets import HttpEmbedTarget, SidecarEmbedTarget, SidecarSearchTarget, SidecarStreamTarget
 from sidecar.app import SidecarThread
+from tests.components import require_native
 from tests.fixtures_sidecar import sidecar_settings
 
 CONFIG = RunConfig(rate=20, duration_s=1.5, warmup_s=0.5, deadline_ms=30_000)  # 40 requests, 30 measured
@@ -36,9 +37,7 @@ KEY = "native-generator-test-key"
 
 @pytest.fixture(scope="module")
 def loadgen() -> Path:
-    reason = native_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    require_native()
     return build_loadgen()
 
 

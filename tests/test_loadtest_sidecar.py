@@ -14,6 +14,7 @@ from loadtest.queries import query_stream
 from loadtest.report import summarize
 from loadtest.runner import OK, RunConfig, run_load
 from loadtest.targets import HttpEmbedTarget, SidecarEmbedTarget, Target
+from tests.components import require_triton
 
 # Low rate, generous deadline: this checks the machinery on a shared box, not speed.
 CONFIG = RunConfig(rate=10, duration_s=1.5, warmup_s=0.3, deadline_ms=30_000)
@@ -99,10 +100,7 @@ def test_a_pool_of_sidecar_processes_shares_the_load_and_the_cores(tmp_path: Pat
 
 @pytest.mark.slow
 def test_stream_over_triton_reports_triton_phases_and_cpu_per_process(tmp_path: Path, model_dir: Path) -> None:
-    from inference.triton.launcher import triton_unavailable_reason
-
-    if reason := triton_unavailable_reason():
-        pytest.skip(reason)
+    require_triton()
     trace = tmp_path / "trace.json"
     rc = cli_main(["loadtest", "--start-stack", "--target", "sidecar-stream:triton", "--rate", "10", "--duration",
                    "1.5", "--warmup", "0.5", "--no-cache", "--deadline-ms", "30000", "--sla-ms", "30000",

@@ -23,6 +23,7 @@ from inference.embedder import Embedder, load_tokenizer
 from inference.errors import ModelError
 from inference.manifest import Manifest
 from inference.prepare import prepare_model
+from tests.components import require_triton
 from tests.conftest import ROOT
 from tests.fixtures_models import ARCHITECTURES, st_reference, tiny_st_folder
 
@@ -198,10 +199,9 @@ async def test_triton_serves_a_user_model_as_the_embedded_backend_does(tmp_path:
     the ensemble): Triton's CPU repository follows all of it, in both layouts."""
     from inference.backends.triton import TritonBackend
     from inference.settings import Settings
-    from inference.triton.launcher import TritonServer, triton_unavailable_reason
+    from inference.triton.launcher import TritonServer
 
-    if reason := triton_unavailable_reason():
-        pytest.fail(f"make test installs tritonserver (nvidia-pytriton): {reason}")
+    require_triton()
     src = tiny_st_folder(tmp_path / "st", "mpnet", pooling="max", dense=8, activation="Tanh", prompts=E5,
                          include_prompt=False)
     m = prepare_model(tmp_path / "models", "mine", from_dir=src, say=_quiet)

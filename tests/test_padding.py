@@ -16,6 +16,7 @@ from inference.padding import tight_length, trim
 from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer
 from loadtest.queries import QueryMix
+from tests.components import require_variant
 
 
 def _mask(lengths: list[int], width: int) -> np.ndarray:
@@ -72,8 +73,7 @@ def test_exact_padding_equals_bucket_padding_fp32(model_dir: Path, manifest: Man
 
 def test_exact_padding_int8_stays_as_close_to_fp32(model_dir: Path, manifest: Manifest,
                                                    tokenizer: QueryTokenizer) -> None:
-    if "int8" not in manifest.variants:
-        pytest.skip("int8 was refused at export on this machine (see manifest)")
+    require_variant(manifest, "int8")
     ids = _queries(tokenizer)
     ref = _embed_all(OnnxBackend(model_dir, manifest, variant="fp32", threads=2, pad_multiple=1), tokenizer, ids)
     bucket = _embed_all(OnnxBackend(model_dir, manifest, variant="int8", threads=2, pad_multiple=0), tokenizer, ids)

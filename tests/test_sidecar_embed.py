@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 
 import grpc
 import httpx
@@ -15,10 +16,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from demo_ui.settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import Embedder
+from inference.errors import DeadlineExceeded, Internal, Unavailable
 from inference.tokenizer import QueryTokenizer
 from sidecar.app import Sidecar, SidecarThread
-from sidecar.client import AsyncClient, Client
-from tests.fixtures_sidecar import ProbeBackend, sidecar_settings
+from sidecar.client import AsyncClient, Client, EmbedResult
+from tests.fixtures_sidecar import ProbeBackend, sidecar_settings, until
 
 WORDS = ["organic", "oat", "milk", "whole", "grain", "bread", "free", "range", "eggs", "greek", "yogurt", "baby",
          "spinach", "cheddar", "cheese", "sourdough", "loaf", "almond", "butter", "green", "tea", "dark",
@@ -74,21 +76,82 @@ def test_duplicates_in_one_request_and_float16(sidecar_client: Client) -> None:
     assert np.abs(h.embeddings - r.embeddings[1:]).max() < 1e-3
 
 
+async def _lead(sc: Sidecar, probe: ProbeBackend, c: AsyncClient, text: str, joiners: int, *,
+                timeout_s: float | None = None) -> tuple[asyncio.Task[EmbedResult], list[asyncio.Task[EmbedResult]]]:
+    """A leader whose computation the probe holds, then `joiners` callers of the same text joined to it."""
+    joins = sc.metrics.singleflight_joins._value
+    probe.hold.clear()
+    probe.entered.clear()  # start-up's calibration set it
+    leader = asyncio.create_task(c.embed([text], timeout_s=timeout_s))
+    await until(probe.entered.is_set, "the leader's call reached the backend")
+    before = joins.get()
+    followers = [asyncio.create_task(c.embed([text])) for _ in range(joiners)]
+    await until(lambda: joins.get() - before >= joiners, f"{joiners} callers joined the leader")
+    assert joins.get() - before == joiners
+    assert not any(t.done() for t in [leader, *followers])  # all wait on the one held call
+    return leader, followers
+
+
 async def test_async_client_and_single_flight(settings: Settings, probe_backend: ProbeBackend) -> None:
     """Concurrent misses for one text share one inference; each caller gets the same answer."""
     with SidecarThread(sidecar_settings(settings, http_port=-1), backend=probe_backend) as sc:
-        probe_backend.hold.clear()
         before = probe_backend.rows
         async with AsyncClient(sc.grpc_target) as c:
-            tasks = [asyncio.create_task(c.embed(["lemon sorbet"])) for _ in range(8)]
-            for _ in range(2000):  # until all 7 followers joined the leader's in-flight computation
-                if sc.metrics.singleflight_joins._value.get() >= 7 or any(t.done() for t in tasks):
-                    break
-                await asyncio.sleep(0.01)
+            leader, followers = await _lead(sc, probe_backend, c, "lemon sorbet", 7)
             probe_backend.hold.set()
-            results = await asyncio.gather(*tasks)
+            results = await asyncio.wait_for(asyncio.gather(leader, *followers), 60)
         assert probe_backend.rows - before == 1
+        assert results[0].cache_hits == [False]
         assert all(np.array_equal(r.embeddings, results[0].embeddings) for r in results)
+
+
+async def test_single_flight_joiners_get_the_leaders_error_and_nothing_is_cached(
+        settings: Settings, probe_backend: ProbeBackend) -> None:
+    with SidecarThread(sidecar_settings(settings, http_port=-1), backend=probe_backend) as sc:
+        async with AsyncClient(sc.grpc_target) as c:
+            leader, followers = await _lead(sc, probe_backend, c, "melon sorbet", 3)
+            probe_backend.fail = Internal("the probe backend failed this call")
+            probe_backend.hold.set()
+            got = await asyncio.wait_for(asyncio.gather(leader, *followers, return_exceptions=True), 60)
+            assert all(isinstance(g, Internal) and "the probe backend failed" in g.message for g in got), got
+            probe_backend.fail = None
+            calls = probe_backend.calls
+            again = await c.embed(["melon sorbet"])
+            assert again.cache_hits == [False] and probe_backend.calls == calls + 1  # the failure was not cached
+
+
+async def test_a_cancelled_leader_gives_its_joiners_unavailable_at_once(settings: Settings,
+                                                                      probe_backend: ProbeBackend) -> None:
+    """The leader's caller goes away: the joiners must not wait for a computation nobody settles."""
+    with SidecarThread(sidecar_settings(settings, http_port=-1), backend=probe_backend) as sc:
+        async with AsyncClient(sc.grpc_target) as c:
+            leader, followers = await _lead(sc, probe_backend, c, "peach sorbet", 3)
+            leader.cancel()
+            try:  # answered while the backend still holds the computation
+                got = await asyncio.wait_for(asyncio.gather(*followers, return_exceptions=True), 60)
+            finally:
+                probe_backend.hold.set()
+            assert all(isinstance(g, Unavailable) and "cancelled" in g.message for g in got), got
+            assert (await c.embed(["peach sorbet"])).embeddings.shape == (1, 384)  # a retry succeeds
+
+
+async def test_a_joiner_whose_deadline_passes_first_leaves_the_leader_computing(
+        settings: Settings, probe_backend: ProbeBackend) -> None:
+    t = SidecarThread(sidecar_settings(settings, http_port=-1), backend=probe_backend)
+    with t as sc:
+        async with AsyncClient(sc.grpc_target) as c:
+            leader, _ = await _lead(sc, probe_backend, c, "plum sorbet", 0, timeout_s=60)
+            joins, before = sc.metrics.singleflight_joins._value, sc.metrics.singleflight_joins._value.get()
+            rows = probe_backend.rows
+            # Through the service on the sidecar's own loop, so the error is the sidecar's join
+            # deadline and not a client's timer racing it.
+            with pytest.raises(DeadlineExceeded, match="waiting for a shared inference"):
+                await asyncio.to_thread(t.call, sc.service.embed(["plum sorbet"], deadline=time.monotonic() + 0.5))
+            assert joins.get() == before + 1 and not leader.done()
+            probe_backend.hold.set()
+            r = await asyncio.wait_for(leader, 60)
+            assert r.cache_hits == [False] and probe_backend.rows == rows  # computed once, by the leader
+            assert (await c.embed(["plum sorbet"])).cache_hits == [True]
 
 
 def test_http_embeddings_match_grpc(sidecar_embedded: Sidecar, sidecar_client: Client) -> None:
@@ -102,6 +165,10 @@ def test_http_embeddings_match_grpc(sidecar_embedded: Sidecar, sidecar_client: C
     assert [d["index"] for d in body["data"]] == [0, 1]
     assert np.allclose(np.array([d["embedding"] for d in body["data"]], dtype=np.float32), grpc_emb, atol=1e-6)
     assert body["usage"]["prompt_tokens"] > 0
+    # Who computed the misses: the header names the backend; an answer all from the cache has none.
+    assert "x-embedcar-backend" not in r.headers  # both texts were cached by the gRPC call above
+    fresh = httpx.post(f"{url}/v1/embeddings", json={"input": ["penne pasta", "fusilli 1kg"]})
+    assert fresh.status_code == 200 and fresh.headers["x-embedcar-backend"] == "embedded"
     b64 = httpx.post(f"{url}/v1/embeddings", json={"input": "penne pasta", "encoding_format": "base64"}).json()
     vec = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), dtype="<f4")
     assert np.array_equal(vec, grpc_emb[0])

@@ -25,7 +25,8 @@ from inference.errors import DeadlineExceeded, InvalidInput, Overloaded, Unauthe
 from inference.tokenizer import TokenBatch
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.client import AsyncClient, Client
-from tests.fixtures_sidecar import ProbeBackend, sidecar_settings
+from sidecar.scheduler import DirectScheduler
+from tests.fixtures_sidecar import DirectProbeBackend, ProbeBackend, sidecar_settings, until
 
 KEY_A = "key-a-9f8e7d6c5b4a"
 KEY_B = "key-b-0a1b2c3d4e5f"
@@ -73,6 +74,58 @@ def test_auth_and_per_tenant_rate_limit(settings: Settings, probe_backend: Probe
     assert KEY_A not in repr(s.describe())
 
 
+async def test_the_rate_limit_refuses_stream_messages_and_http_calls(settings: Settings,
+                                                                     probe_backend: ProbeBackend) -> None:
+    """Each Stream message and each HTTP call takes a token from its tenant's bucket: the limiter's
+    own refusal (not admission's), per message on a stream that stays open, and 429 + Retry-After."""
+    s = sidecar_settings(settings, api_keys=f"shop-a={KEY_A},shop-b={KEY_B}", rate_per_s=0.01, burst=2)
+    with SidecarThread(s, backend=probe_backend) as sc:
+        limited = sc.metrics.rejections.labels("rate_limit")._value
+        async with AsyncClient(sc.grpc_target, api_key=KEY_A, stream=True) as c:
+            await c.embed(["stream one"])
+            await c.embed(["stream two"])
+            with pytest.raises(Overloaded, match=r"rate limit .* 'shop-a'") as err:
+                await c.embed(["stream three"])
+            assert err.value.retry_after_s is not None and err.value.retry_after_s > 1
+            with pytest.raises(Overloaded, match="rate limit"):  # each message is judged on its own
+                await c.embed(["stream four"])
+        assert limited.get() == 2
+        url, headers = f"http://127.0.0.1:{sc.http_port}", {"authorization": f"Bearer {KEY_B}"}
+        async with httpx.AsyncClient(base_url=url, headers=headers) as h:
+            for i in range(2):
+                assert (await h.post("/v1/embeddings", json={"input": f"http {i}"})).status_code == 200
+            r = await h.post("/v1/embeddings", json={"input": "http 2"})
+            assert r.status_code == 429 and "rate limit" in r.text and "shop-b" in r.text, r.text
+            assert int(r.headers["retry-after"]) >= 1
+            r = await h.post("/v1/search", json={"input": "http 3"})  # search too, before its index is asked for
+            assert r.status_code == 429 and "rate limit" in r.text, r.text
+        assert limited.get() == 4
+        assert sc.metrics.rejections.labels("admission")._value.get() == 0
+
+
+async def test_admission_refuses_stream_messages_one_by_one(settings: Settings, probe_backend: ProbeBackend) -> None:
+    """With the backend stalled, Stream messages beyond the queue cap are refused at once, each with its
+    own RESOURCE_EXHAUSTED reply; the admitted ones are answered on the same stream afterwards."""
+    # cap: 8 texts; the in-flight cap in front of the handler (sidecar.shedding) raised so admission decides
+    s = sidecar_settings(settings, http_port=-1, max_rows_per_pass=4, max_pending_batches=1, max_in_flight=1000)
+    with SidecarThread(s, backend=probe_backend) as sc:
+        refused = sc.metrics.rejections.labels("admission")._value
+        probe_backend.hold.clear()
+        try:
+            async with AsyncClient(sc.grpc_target, stream=True) as c:
+                tasks = [asyncio.create_task(c.embed([f"stream overload {i}"], timeout_s=60)) for i in range(12)]
+                await until(lambda: refused.get() >= 4, "4 stream messages refused by admission")
+                await until(lambda: sum(t.done() for t in tasks) >= 4, "the 4 refusals reached the client")
+                early = [t.exception() for t in tasks if t.done()]
+                assert len(early) == 4 and all(isinstance(e, Overloaded) for e in early), early
+                probe_backend.hold.set()
+                results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+        finally:
+            probe_backend.hold.set()
+        assert sum(not isinstance(r, BaseException) for r in results) == 8
+        assert refused.get() == 4
+
+
 def test_non_loopback_bind_without_keys_is_refused(settings: Settings) -> None:
     with pytest.raises(InvalidInput, match="without API keys"):
         Sidecar(sidecar_settings(settings, host="0.0.0.0"))
@@ -80,7 +133,8 @@ def test_non_loopback_bind_without_keys_is_refused(settings: Settings) -> None:
 
 async def test_overload_rejects_excess_fast(settings: Settings, probe_backend: ProbeBackend) -> None:
     """With the backend stalled, work beyond the queue cap is refused at once, not queued."""
-    s = sidecar_settings(settings, http_port=-1, max_rows_per_pass=4, max_pending_batches=1)  # cap: 8 texts
+    # cap: 8 texts; gRPC's own backlog cap left at its default, so that admission alone decides here
+    s = sidecar_settings(settings, http_port=-1, max_rows_per_pass=4, max_pending_batches=1, transport_backlog=0)
     with SidecarThread(s, backend=probe_backend) as sc:
         probe_backend.hold.clear()
         async with AsyncClient(sc.grpc_target) as c:
@@ -103,35 +157,59 @@ async def test_overload_rejects_excess_fast(settings: Settings, probe_backend: P
 
 
 class SlowProbe(ProbeBackend):
-    """A ProbeBackend whose calls take at least `delay_s`: the sidecar's start-up calibration learns it."""
+    """A ProbeBackend whose calls take at least `s_per_token` per padded token: the sidecar's start-up
+    calibration learns that price (about 3 s of calibration at 2 ms)."""
 
-    def __init__(self, inner: OnnxBackend, delay_s: float) -> None:
+    def __init__(self, inner: OnnxBackend, s_per_token: float) -> None:
         super().__init__(inner)
-        self.delay_s = delay_s
+        self.s_per_token = s_per_token
 
     async def embed(self, batch: TokenBatch, *, timeout_s: float | None = None) -> Embeddings:
-        await asyncio.sleep(self.delay_s)
+        await asyncio.sleep(self.s_per_token * batch.input_ids.size)
         return await super().embed(batch, timeout_s=timeout_s)
 
 
 def test_deadline_shorter_than_the_inference_is_refused_by_the_sidecar(settings: Settings,
                                                                       onnx_backend: OnnxBackend) -> None:
-    # Calibrated at >= 1 s per call, a 0.5 s deadline cannot be met: the sidecar must say so at once
-    # (its own rejection, counted in its metrics) and not spend the backend on it. 0.5 s is ample
-    # for the RPC itself, so the client's deadline does not expire first.
-    slow = SlowProbe(onnx_backend, delay_s=1.0)
+    # Calibrated at 2 ms per token, 16 texts of 256 tokens cost about 8 s: a 4 s deadline cannot be
+    # met, and the sidecar must say so at once (its own rejection, counted in its metrics) without
+    # spending the backend on it. 4 s is far more than the refusal's round trip even on a busy
+    # machine, so the client's own deadline cannot expire first.
+    slow = SlowProbe(onnx_backend, s_per_token=0.002)
+    long_texts = [f"{i} " + "apple " * 300 for i in range(16)]  # truncated to 256 tokens each
     with SidecarThread(sidecar_settings(settings, http_port=-1), backend=slow) as sc, Client(sc.grpc_target) as c:
         rejected = sc.metrics.rejections.labels("deadline")
         before, calls = rejected._value.get(), slow.calls
         for i in range(3):
-            with pytest.raises(DeadlineExceeded) as info:
-                c.embed([f"half a second {i}"], timeout_s=0.5)
-            assert info.value.message.strip().lower() != "deadline exceeded", "the client's deadline, not the sidecar's"
+            with pytest.raises(DeadlineExceeded, match="inference needs about"):  # the sidecar's estimate
+                c.embed(long_texts[i:], timeout_s=4.0)
         assert rejected._value.get() == before + 3
         assert slow.calls == calls  # refused before the backend
         # A deadline the estimate fits is admitted and computed.
-        assert c.embed(["half a second 0"], timeout_s=60).cache_hits == [False]
+        assert c.embed(["a short one"], timeout_s=60).cache_hits == [False]
         assert slow.calls == calls + 1
+
+
+async def test_the_callers_remaining_deadline_is_the_timeout_of_a_backend_that_batches_itself(
+        settings: Settings, onnx_backend: OnnxBackend) -> None:
+    """The Triton path (DirectScheduler): each backend call carries what is left of the caller's
+    deadline as its timeout (a unary call's gRPC deadline, a Stream message's own timeout_ms, or the
+    sidecar's default without either), so the backend neither computes nor holds a request its caller
+    has given up on. Against the real tritonserver: tests/test_sidecar_triton.py."""
+    probe = DirectProbeBackend(onnx_backend)
+    s = sidecar_settings(settings, http_port=-1, embedded_fallback=False, default_deadline_ms=45_000)
+    with SidecarThread(s, backend=probe) as sc:
+        assert isinstance(sc.models.default.scheduler.primary, DirectScheduler)  # the path under test
+        for stream, timeout in ((False, 7.0), (False, 30.0), (True, 5.0), (False, None)):
+            async with AsyncClient(sc.grpc_target, stream=stream) as c:
+                n = len(probe.timeouts)
+                t0 = time.monotonic()
+                await c.embed([f"deadline {stream} {timeout}"], timeout_s=timeout)
+                elapsed = time.monotonic() - t0
+            (got,) = probe.timeouts[n:]
+            want = 45.0 if timeout is None else timeout
+            # Not more than the caller gave (a µs of gRPC's rounding), not less than it had left.
+            assert got is not None and want - elapsed <= got <= want + 1e-3, (stream, timeout, got, elapsed)
 
 
 def test_deadline_passing_in_the_queue_is_never_computed(settings: Settings, probe_backend: ProbeBackend) -> None:

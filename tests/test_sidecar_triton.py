@@ -6,14 +6,17 @@ Kill/restart tests use their own TritonServer (not the shared session one) on fr
 from __future__ import annotations
 
 import threading
+import time
+from types import SimpleNamespace
 
+import httpx
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
 from demo_ui.settings import Settings
 from inference.backends.onnx import OnnxBackend
-from inference.errors import EmbedcarError, FailedPrecondition, Unavailable
+from inference.errors import DeadlineExceeded, EmbedcarError, FailedPrecondition, Unavailable
 from inference.tokenizer import QueryTokenizer
 from inference.triton.launcher import TritonServer
 from sidecar.app import SidecarThread
@@ -80,6 +83,34 @@ def test_sidecar_with_triton_equals_embedded(settings: Settings, triton_server: 
         assert (sc.admission.s_per_token, sc.admission.s_per_call) == calibrated
 
 
+def test_the_callers_deadline_reaches_tritons_encoder_through_the_sidecar(
+        settings: Settings, triton_server: TritonServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Caller -> sidecar -> DirectScheduler -> TritonBackend -> tritonserver: the deadline the encoder
+    checks is the caller's, not the backend's own timeout (120 s here).
+
+    No stopwatch: the backend's wall clock (what it stamps the deadline it sends from) is set 60 s
+    back once the sidecar is up. A deadline made from the caller's 5 s has then passed on Triton's
+    clock, and the encoder refuses the request ("expired before the encoder ran", DEADLINE_EXCEEDED
+    to the caller); one made from 100 s (or from the backend's 120 s, had the sidecar dropped the
+    caller's) has not, and is computed."""
+    from inference.backends import triton as triton_module
+
+    s = triton_sidecar_settings(settings, triton_server).with_section("triton", timeout_ms=120_000)
+    s = s.with_section("sidecar", embedded_fallback=False, default_deadline_ms=300_000)
+    with SidecarThread(s) as sc, Client(sc.grpc_target) as c:
+        assert sc.backend.name == "triton"
+        real = time.time_ns
+        monkeypatch.setattr(triton_module, "time", SimpleNamespace(time_ns=lambda: real() - 60 * 10**9,
+                                                                   monotonic=time.monotonic))
+        with pytest.raises(DeadlineExceeded, match="expired before the encoder ran"):
+            c.embed(["a caller with five seconds"], timeout_s=5.0)
+        r = c.embed(["a caller with a hundred seconds"], timeout_s=100.0)
+        assert r.backend == "triton" and r.cache_hits == [False]
+        monkeypatch.undo()
+        # A refusal is not an outage: the sidecar still serves from Triton.
+        assert c.embed(["a caller with five seconds"], timeout_s=5.0).backend == "triton"
+
+
 def test_sidecar_refuses_a_triton_serving_another_variant(settings: Settings, triton_server: TritonServer) -> None:
     """The session's Triton serves fp32; a sidecar on the int8 default would cache and search int8
     vectors under fp32 answers: it does not start, and says which setting to change."""
@@ -114,10 +145,12 @@ def test_triton_killed_mid_load_then_restarted_without_fallback(settings: Settin
 @pytest.mark.slow
 def test_embedded_fallback_answers_while_triton_is_down(settings: Settings, own_triton: TritonServer,
                                                         onnx_backend: OnnxBackend, tokenizer: QueryTokenizer) -> None:
-    s = triton_sidecar_settings(settings, own_triton)
+    s = triton_sidecar_settings(settings, own_triton).with_section("sidecar", http_port=0)
     with SidecarThread(s) as sc, Client(sc.grpc_target) as c:
         assert sc.fallback is not None  # on by default: the model files are here
         assert c.embed(["before the crash"]).backend == "triton"
+        http = f"http://127.0.0.1:{sc.http_port}/v1/embeddings"
+        assert httpx.post(http, json={"input": "http before the crash"}).headers["x-embedcar-backend"] == "triton"
         with MissLoad(c, "fallback load query") as load:
             assert wait_for(lambda: load.answered.count("triton") >= 3)
             own_triton.kill()
@@ -125,6 +158,8 @@ def test_embedded_fallback_answers_while_triton_is_down(settings: Settings, own_
             # The outage is invisible to callers: same embeddings, still SERVING, nothing failed.
             during = c.embed(["oat milk during the outage"])
             assert during.backend == "embedded-fallback"
+            answer = httpx.post(http, json={"input": "http during the outage"}, timeout=30)
+            assert answer.status_code == 200 and answer.headers["x-embedcar-backend"] == "embedded-fallback"
             ref = reference(onnx_backend, tokenizer, ["oat milk during the outage"])
             assert float(np.sum(during.embeddings * ref)) >= 0.9999
             assert health(sc.grpc_target) == health_pb2.HealthCheckResponse.SERVING

@@ -1,8 +1,12 @@
-"""TritonBackend's endpoint handling against small real gRPC servers speaking Triton's protocol.
+"""TritonBackend when every endpoint fails, each in its own way, against small gRPC servers speaking
+Triton's protocol.
 
-No tritonserver is needed: `FakeTriton` implements the four calls the backend makes (ModelReady,
-ModelMetadata, ModelConfig, ModelInfer) on a real grpc.aio server on a free loopback port, and can be
-told to refuse inference with its own message, or be stopped (a dead URL).
+A fake only for what a real tritonserver cannot be made to do here on demand: stay up and answer
+UNAVAILABLE with a message of its own (a draining server). Everything a real server can show runs
+against one in tests/test_triton_server.py (a dead URL steered around, a server of another variant
+refused at start, kill and restart, deadlines). `FakeTriton` implements the four calls the backend
+makes (ModelReady, ModelMetadata, ModelConfig, ModelInfer) on a real grpc.aio server on a free
+loopback port.
 """
 
 from __future__ import annotations
@@ -18,10 +22,9 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from inference.backends.triton import OUTPUT, TritonBackend
-from inference.errors import FailedPrecondition, Unavailable
+from inference.errors import Unavailable
 from inference.manifest import Manifest
 from inference.tokenizer import TokenBatch
-from inference.triton.repository import VARIANT_ID_PARAM
 
 
 class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
@@ -31,7 +34,6 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore
         self.server: grpc.aio.Server | None = None
         self.url = ""
         self.infers = 0
-        self.variant_id = ""  # the ensemble's variant_id parameter (a generated repository's); "" = none
 
     async def start(self) -> None:
         self.server = grpc.aio.server()
@@ -58,8 +60,6 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore
     async def ModelConfig(self, request: Any, context: Any) -> Any:  # noqa: N802
         reply = pb.ModelConfigResponse()
         reply.config.name = request.name
-        if self.variant_id:
-            reply.config.parameters[VARIANT_ID_PARAM].string_value = self.variant_id
         return reply
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
@@ -109,37 +109,3 @@ async def test_every_endpoint_failing_names_each_url_with_its_own_error(
         assert not backend.ready()  # both were marked down
     finally:
         await backend.close()
-
-
-async def test_one_endpoint_failing_is_steered_around_without_an_error(
-        fakes: tuple[FakeTriton, FakeTriton], manifest: Manifest) -> None:
-    a, b = fakes
-    backend = TritonBackend([a.url, b.url], manifest, timeout_s=5.0, probe_interval_s=60.0)
-    await backend.start()
-    try:
-        a.refuse = "fake A is draining"
-        for _ in range(4):
-            assert (await backend.embed(_batch())).shape == (1, manifest.dim)
-        assert backend.ready() and b.infers >= 4
-    finally:
-        await backend.close()
-
-
-async def test_a_triton_serving_another_variant_is_refused_at_start(
-        fakes: tuple[FakeTriton, FakeTriton], manifest: Manifest) -> None:
-    """Its embeddings would not match the sidecar's cache keys or the index of its own variant."""
-    a, _ = fakes
-    a.variant_id = manifest.variant_id("fp32")
-    backend = TritonBackend([a.url], manifest, variant="int8", timeout_s=5.0, probe_interval_s=60.0)
-    try:
-        with pytest.raises(FailedPrecondition, match=r"serves .*/fp32.*configured for .*/int8.*EMBEDCAR_MODEL_VARIANT"):
-            await backend.start()
-        assert not backend.ready() and a.infers == 0
-    finally:
-        await backend.close()
-    same = TritonBackend([a.url], manifest, variant="fp32", timeout_s=5.0, probe_interval_s=60.0)
-    try:
-        await same.start()
-        assert same.ready()
-    finally:
-        await same.close()

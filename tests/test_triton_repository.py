@@ -70,10 +70,11 @@ def test_cpu_repository_two_steps(settings: Settings, manifest: Manifest, model_
     assert "mode" not in enc.parameters
     (group,) = enc.instance_group
     assert group.kind == mc.ModelInstanceGroup.KIND_CPU
-    threads = int(enc.parameters["intra_op_threads"].string_value)
-    assert group.count * threads <= max(cpu_sizing(settings).instances * cpu_sizing(settings).ort_threads, 1)
+    sizing = cpu_sizing(settings)  # settings and this machine's cores (never oversubscribed: see below)
+    assert (group.count, int(enc.parameters["intra_op_threads"].string_value)) == (sizing.instances,
+                                                                                  sizing.ort_threads)
     assert Path(enc.parameters["onnx_path"].string_value) == (model_dir / manifest.variants["int8"].file).resolve()
-    assert enc.dynamic_batching.max_queue_delay_microseconds <= 1000
+    assert enc.dynamic_batching.max_queue_delay_microseconds == settings.triton.max_queue_delay_us
     assert list(enc.dynamic_batching.preferred_batch_size) == sorted(settings.triton.preferred_batch_sizes)
     assert (repo / ENCODER / "1" / "model.py").exists()
     assert (repo / POOLING / "1" / "model.py").exists()
@@ -84,7 +85,7 @@ def test_cpu_repository_two_steps(settings: Settings, manifest: Manifest, model_
     pool = cfg[POOLING]
     assert pool.backend == "python" and pool.parameters["mode"].string_value == manifest.pooling
     assert [o.name for o in pool.output] == ["embedding"] and list(pool.output[0].dims) == [manifest.dim]
-    assert pool.dynamic_batching.max_queue_delay_microseconds == 0
+    assert pool.dynamic_batching.max_queue_delay_microseconds == 0  # never a wait: its input comes batched
     # No queue policy on a Python-backend model: one turns off Triton's payload prefetching and with
     # it on a batcher path that can lose its wake-up (500 ms); the encoder checks deadlines itself.
     assert not enc.dynamic_batching.HasField("default_queue_policy")
@@ -110,9 +111,10 @@ def test_gpu_repository(settings: Settings, manifest: Manifest, model_dir: Path,
     enc = cfg[ENCODER]
     assert enc.platform == "tensorrt_plan" and enc.backend == ""
     assert enc.default_model_filename == "model.plan"
-    assert enc.max_batch_size == 256
+    assert enc.max_batch_size == settings.triton.max_batch_size
     (group,) = enc.instance_group
-    assert group.kind == mc.ModelInstanceGroup.KIND_GPU and group.count == 4
+    assert group.kind == mc.ModelInstanceGroup.KIND_GPU and group.count == settings.triton.gpu_instances
+    assert enc.dynamic_batching.max_queue_delay_microseconds == settings.triton.max_queue_delay_us
     assert not (repo / ENCODER / "1" / "model.py").exists(), "a CPU leftover would confuse Triton"
     assert cfg[POOLING].parameters["sys_path"].string_value == "/opt/embedcar"
     # A TensorRT plan cannot refuse expired requests itself: Triton's queue does it, from the
@@ -146,6 +148,10 @@ def test_settings_drive_batching_and_instances(settings: Settings, manifest: Man
     assert enc.max_batch_size == 128
     assert enc.parameters["allow_spinning"].string_value == "1"
     assert enc.parameters["spin_duration_us"].string_value == "2000"
+    gpu = _configs(generate_repository(s.with_section("triton", gpu_instances=2), manifest, model_dir,
+                                       out_dir=tmp_path, target="gpu"))[ENCODER]
+    assert gpu.instance_group[0].count == 2 and gpu.max_batch_size == 128
+    assert gpu.dynamic_batching.max_queue_delay_microseconds == 250
 
 
 @pytest.mark.parametrize("cores", [1, 2, 3, 8, 16])

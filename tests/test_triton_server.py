@@ -18,12 +18,13 @@ import pytest
 
 from inference.backends.onnx import OnnxBackend
 from inference.backends.triton import TritonBackend, map_error
-from inference.errors import DeadlineExceeded, InvalidInput, Unavailable
+from inference.errors import DeadlineExceeded, FailedPrecondition, InvalidInput, Unavailable
 from inference.manifest import Manifest
 from inference.ports import free_port
 from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer, TokenBatch
-from inference.triton.launcher import TritonServer, triton_unavailable_reason
+from inference.triton.launcher import TritonServer
+from tests.components import require_triton, require_variant
 from tests.fixtures_triton import triton_settings
 
 pytestmark = pytest.mark.triton
@@ -126,24 +127,25 @@ async def test_dynamic_batching_happens(triton_server: TritonServer, backend: Tr
                 os.kill(pid, signal.SIGCONT)
         results = await asyncio.gather(*tasks, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
-        outcomes.append(f"queued={queued} errors={[str(e)[:80] for e in errors]}")
-        if queued and not errors:
+        vectors = [r for r in results if isinstance(r, np.ndarray)]
+        assert all(np.allclose(v, vectors[0], atol=1e-5) for v in vectors)
+        after = before
+        for _ in range(200):  # Triton records a batch's statistics just after sending its replies
+            after = (await backend.statistics())["encoder"]
+            if after["inference_count"] - before["inference_count"] >= len(vectors):
+                break
+            await asyncio.sleep(0.05)
+        inferences = after["inference_count"] - before["inference_count"]
+        executions = after["execution_count"] - before["execution_count"]
+        grew = [k for k in after if k.startswith("batch_") and k != "batch_1_count" and after[k] > before.get(k, 0)]
+        outcomes.append(f"queued={queued} errors={[str(e)[:80] for e in errors]} inferences={inferences} "
+                        f"executions={executions} batches>1={grew}")
+        # Judged per attempt: one whose freeze outlasted the stub's health check (its requests failed)
+        # or whose requests did not queue in time says nothing about batching, and is run again.
+        if queued and not errors and inferences >= n and executions < inferences and grew:
             break
     else:
-        pytest.fail(f"no attempt queued {n} requests behind the frozen encoder: {outcomes}")
-    vectors = [r for r in results if isinstance(r, np.ndarray)]
-    assert all(np.allclose(v, vectors[0], atol=1e-5) for v in vectors)
-    for _ in range(200):  # Triton records a batch's statistics just after sending its replies
-        after = (await backend.statistics())["encoder"]
-        if after["inference_count"] - before["inference_count"] >= n:
-            break
-        await asyncio.sleep(0.05)
-    inferences = after["inference_count"] - before["inference_count"]
-    executions = after["execution_count"] - before["execution_count"]
-    assert inferences >= n
-    assert executions < inferences, "queued same-shape requests were not batched together"
-    grew = [k for k in after if k.startswith("batch_") and k != "batch_1_count" and after[k] > before.get(k, 0)]
-    assert grew, "no execution of more than one request"
+        pytest.fail(f"no attempt batched {n} requests queued behind the frozen encoder: {outcomes}")
 
 
 def test_a_killed_shared_server_is_restarted_for_the_next_test(triton_server: TritonServer) -> None:
@@ -214,20 +216,27 @@ def _refused(server: TritonServer) -> float:
             + _metric(server, r'nv_inference_request_failure\{model="encoder",reason="CANCELED",version="1"\}'))
 
 
+# The wait a lost wake-up costs is the batcher's fixed 500 ms; nothing else makes one request this slow.
+_LOST_WAKEUP_S = 0.45
+
+
 async def test_back_to_back_requests_do_not_wait_for_a_lost_wakeup(backend: TritonBackend,
                                                                    tokenizer: QueryTokenizer) -> None:
     """Each request sent the moment the previous reply arrives goes straight to the idle encoder.
 
     With a queue policy on the encoder, Triton's batcher waits for a free instance on a wake-up that
     can come before the instance is free (inference/triton/repository.py): about one such request
-    in 20 to 200 here sat 500 ms in the queue. The encoder's own queue time over the run says whether
-    any did: one such wait alone is over the bound, all the others together are a few ms.
+    in 20 to 200 here sat 500 ms in the queue.
     """
     n = 300
     batch = tokenizer.batch(tokenizer.encode(["oat milk"]).ids, length=16)
     before = (await backend.statistics())["encoder"]
+    slow = []  # round trips as long as the lost wake-up's wait
     for _ in range(n):
+        t0 = time.perf_counter()
         await backend.embed(batch)
+        if (took := time.perf_counter() - t0) >= _LOST_WAKEUP_S:
+            slow.append(round(took * 1e3))
     for _ in range(200):  # Triton records a request's statistics just after sending its reply
         after = (await backend.statistics())["encoder"]
         if after["queue_count"] - before["queue_count"] >= n:
@@ -235,7 +244,11 @@ async def test_back_to_back_requests_do_not_wait_for_a_lost_wakeup(backend: Trit
         await asyncio.sleep(0.01)
     assert after["queue_count"] - before["queue_count"] >= n
     queued_ms = (after["queue_ns"] - before["queue_ns"]) / 1e6
-    assert queued_ms < 450, f"{n} back-to-back requests spent {queued_ms:.0f} ms in the encoder's queue"
+    # One request's wait, not a sum over 300 (which grows with a busy machine's few ms per request):
+    # a round trip as long as the batcher's timer, spent in the encoder's queue, is the bug. A slow
+    # round trip alone (the client or the stub descheduled) is not: the queue time says where it went.
+    lost = bool(slow) and queued_ms >= _LOST_WAKEUP_S * 1e3 * len(slow)
+    assert not lost, f"round trips of {slow} ms; the encoder's queue held the {n} requests {queued_ms:.0f} ms"
 
 
 async def test_a_request_whose_deadline_passed_in_the_queue_is_not_computed(
@@ -261,19 +274,22 @@ async def test_a_request_whose_deadline_passed_in_the_queue_is_not_computed(
         finally:
             for pid in stubs:
                 os.kill(pid, signal.SIGCONT)
-        assert all(isinstance(r, DeadlineExceeded) for r in short), short
-        assert (await patient).shape == (1, backend.dim)
+        # Short requests that timed out at the caller, a patient one answered: else the freeze outlasted
+        # the stub's 1 s health check on a busy machine, and the attempt is run again.
+        expired = sum(isinstance(r, DeadlineExceeded) for r in short)
+        (done,) = await asyncio.gather(patient, return_exceptions=True)
+        answered = isinstance(done, np.ndarray) and done.shape == (1, backend.dim)
         refused = 0.0
         for _ in range(100):  # the counters move as the encoder works through what queued
             refused = await asyncio.to_thread(_refused, triton_server) - refused_before
             if refused >= n:
                 break
             await asyncio.sleep(0.02)
-        outcomes.append(refused)
-        if refused == n:
+        outcomes.append(f"expired at the caller {expired}/{n}, patient answered {answered}, refused {refused}")
+        if expired == n and answered and refused == n:
             break
     else:
-        pytest.fail(f"expired requests computed instead of refused: refused {outcomes} of {n} per attempt")
+        pytest.fail(f"expired requests computed instead of refused: {outcomes}")
 
 
 async def test_a_deadline_already_past_at_the_encoder_is_deadline_exceeded(
@@ -343,13 +359,26 @@ async def test_dead_url_is_steered_around(triton_server: TritonServer, manifest:
         await b.close()
 
 
+async def test_a_triton_serving_another_variant_is_refused_at_start(triton_server: TritonServer, manifest: Manifest,
+                                                                   backend: TritonBackend) -> None:
+    """Its embeddings would not match the sidecar's cache keys or the index of its own variant. The
+    shared server serves fp32; a backend configured for int8 must not start, nor send it a request."""
+    before = (await backend.statistics())["embedder"]["inference_count"]
+    other = TritonBackend([triton_server.grpc_url], manifest, variant="int8", timeout_s=10.0, probe_interval_s=60.0)
+    try:
+        with pytest.raises(FailedPrecondition, match=r"serves .*/fp32.*configured for .*/int8.*EMBEDCAR_MODEL_VARIANT"):
+            await other.start()
+        assert not other.ready()
+    finally:
+        await other.close()
+    assert (await backend.statistics())["embedder"]["inference_count"] == before  # no warm-up sent either
+
+
 # --- faults: a private server, so the shared one stays up for other tests -------------------------
 @pytest.fixture(scope="module")
 def own_server(settings: Settings, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[TritonServer]:
-    reason = triton_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    require_triton()
     # int8 and the two-step layout (pooling as its own model, as on the GPU target) here, so the
     # selectable variant and layout are covered without a third server.
     s = triton_settings(settings, tmp_path_factory.mktemp("triton-faults")).with_section("triton", cpu_pooling="step")
@@ -361,8 +390,7 @@ def own_server(settings: Settings, model_dir: Path, tmp_path_factory: pytest.Tem
 
 async def test_int8_two_step_layout_serves_its_own_model(own_server: TritonServer, manifest: Manifest, model_dir: Path,
                                                  tokenizer: QueryTokenizer) -> None:
-    if "int8" not in manifest.variants:
-        pytest.skip("the model has no int8 variant")
+    require_variant(manifest, "int8")
     b = TritonBackend([own_server.grpc_url], manifest, variant="int8", timeout_s=10.0)
     await b.start()
     ref = OnnxBackend(model_dir, manifest, variant="int8", threads=1)
@@ -419,8 +447,7 @@ def test_stop_leaves_no_stub_processes(own_server: TritonServer) -> None:
 
 
 def test_cli_serve_stops_cleanly_on_sigterm(settings: Settings, tmp_path: Path) -> None:
-    if triton_unavailable_reason():
-        pytest.skip(str(triton_unavailable_reason()))
+    require_triton()
     env = {**os.environ, "EMBEDCAR_MODEL_MODELS_DIR": str(settings.model.models_dir),
            "EMBEDCAR_TRITON_REPO_DIR": str(tmp_path / "repo"), "EMBEDCAR_TRITON_BACKEND_DIR": str(tmp_path / "be")}
     cmd = [sys.executable, "-m", "inference.cli_main", "triton", "serve",

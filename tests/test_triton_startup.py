@@ -17,7 +17,8 @@ import pytest
 
 from inference.errors import Unavailable
 from inference.settings import Settings
-from inference.triton.launcher import BindFailure, TritonServer, triton_unavailable_reason
+from inference.triton.launcher import BindFailure, TritonServer
+from tests.components import require_triton
 from tests.fixtures_triton import triton_settings
 
 KIND_NAMES = {"grpc": "gRPC", "http": "HTTP", "metrics": "metrics"}
@@ -79,9 +80,7 @@ class CountingServer(TritonServer):
 
 @pytest.fixture
 def tsettings(settings: Settings, model_dir: Path, tmp_path: Path) -> Settings:
-    reason = triton_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    require_triton()
     return triton_settings(settings, tmp_path)
 
 

@@ -35,7 +35,7 @@ from inference.manifest import Manifest
 from inference.ports import free_port
 from inference.tokenizer import QueryTokenizer
 from inference.triton.certs import PoolFiles, make_pool_certs
-from inference.triton.launcher import TritonServer, triton_unavailable_reason
+from inference.triton.launcher import TritonServer
 from inference.triton.tls import (
     CLIENT_KEY_NAME,
     GRPC_HEADER_PREFIX,
@@ -46,6 +46,7 @@ from inference.triton.tls import (
 )
 from sidecar.app import SidecarThread
 from sidecar.client import Client
+from tests.components import require_triton
 from tests.fixtures_sidecar import sidecar_settings
 
 pytestmark = pytest.mark.triton
@@ -77,9 +78,7 @@ def hardened_settings(settings: Settings, pool: PoolFiles, root: Path) -> Settin
 @pytest.fixture(scope="module")
 def server(settings: Settings, model_dir: Path, pool: PoolFiles, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[TritonServer]:
-    reason = triton_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    require_triton()
     s = hardened_settings(settings, pool, tmp_path_factory.mktemp("triton-hardened"))
     t = TritonServer(s, variant="fp32")
     t.start()
@@ -372,9 +371,7 @@ def test_compose_triton_command_serves_hardened(settings: Settings, model_dir: P
     from inference.triton.launcher import assemble_backend_dir, pytriton_root
     from inference.triton.repository import generate_repository
 
-    reason = triton_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    require_triton()
     root = Path(__file__).resolve().parent.parent
     entry = " ".join(yaml.safe_load((root / "docker-compose.yml").read_text())["services"]["triton"]["entrypoint"])
     script = entry.split(" -c ", 1)[1].replace("$$", "$")

@@ -67,19 +67,26 @@ def _stub(root: Path) -> Path:
         "triton_python_backend_stub"
 
 
-def triton_unavailable_reason() -> str | None:
-    """None when the wheel's tritonserver can run here; else one line saying why not."""
-    hint = "use the embedded backend (EMBEDCAR_SIDECAR_BACKEND=embedded)"
+def platform_unsupported() -> str | None:
+    """None where the wheel's tritonserver is built to run (Linux x86_64, glibc >= 2.35); else why not."""
     if sys.platform != "linux" or platform.machine() != "x86_64":
-        here = f"{sys.platform} {platform.machine()}"
-        return f"tritonserver from nvidia-pytriton needs Linux x86_64, this is {here}: {hint}"
+        return f"tritonserver from nvidia-pytriton needs Linux x86_64, this is {sys.platform} {platform.machine()}"
     libc, ver = platform.libc_ver()
     try:
         parsed = tuple(int(x) for x in ver.split(".")[:2])
     except ValueError:
         parsed = (0, 0)
     if libc != "glibc" or parsed < MIN_GLIBC:
-        return f"tritonserver needs glibc >= 2.35, found {libc or 'none'} {ver or '?'}: {hint}"
+        return f"tritonserver needs glibc >= {'.'.join(map(str, MIN_GLIBC))}, found {libc or 'none'} {ver or '?'}"
+    return None
+
+
+def triton_unavailable_reason() -> str | None:
+    """None when the wheel's tritonserver can run here; else one line saying why not."""
+    hint = "use the embedded backend (EMBEDCAR_SIDECAR_BACKEND=embedded)"
+    unsupported = platform_unsupported()
+    if unsupported is not None:
+        return f"{unsupported}: {hint}"
     root = pytriton_root()
     if root is None or not (root / "bin" / "tritonserver").exists():
         return f"the nvidia-pytriton wheel (tritonserver binary) is not installed: {hint}"

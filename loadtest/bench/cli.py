@@ -47,6 +47,7 @@ def register(sub: Any) -> None:
     _register_catalog(areas)
     _register_demo(areas)
     _register_transport(areas)
+    _register_refusal(areas)
 
 
 # --- model ----------------------------------------------------------------------------------
@@ -347,6 +348,26 @@ def _transport(args: argparse.Namespace) -> int:
 
     result = run(rounds=args.rounds, block=args.block, gap_ms=args.gap_ms)
     print(markdown(result, rounds=args.rounds, block=args.block, gap_ms=args.gap_ms))
+    if args.json:
+        atomic_write_text(args.json, json.dumps(result, indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+# --- refusal --------------------------------------------------------------------------------
+def _register_refusal(areas: Any) -> None:
+    p = areas.add_parser("refusal", help="server CPU per refused gRPC call: in a handler, by grpc.aio's "
+                         "concurrency limit, or by gRPC's C core with the event loop held (heavy overload)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating blocks per way (default 3)")
+    p.add_argument("--calls", type=int, default=2000, help="calls per block (default 2000)")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON here")
+    p.set_defaults(func=_refusal)
+
+
+def _refusal(args: argparse.Namespace) -> int:
+    from loadtest.bench.refusal import markdown, run
+
+    result = run(rounds=args.rounds, calls=args.calls)
+    print(markdown(result, rounds=args.rounds, calls=args.calls))
     if args.json:
         atomic_write_text(args.json, json.dumps(result, indent=2, sort_keys=True) + "\n")
     return 0
