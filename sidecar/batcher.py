@@ -27,7 +27,7 @@ from inference.backends.base import Backend
 from inference.errors import DeadlineExceeded, EmbedcarError, Internal, Unavailable
 from inference.tokenizer import QueryTokenizer
 from sidecar.admission import Admission
-from sidecar.metrics import Metrics
+from sidecar.metrics import ModelMetrics
 from sidecar.scheduler import Computed, Scheduler
 
 
@@ -41,7 +41,7 @@ class _Item:
 
 class MicroBatcher(Scheduler):
     def __init__(self, backend: Backend, tokenizer: QueryTokenizer, *, max_items: int, wait_us: int,
-                 admission: Admission | None = None, metrics: Metrics | None = None,
+                 admission: Admission | None = None, metrics: ModelMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic, label: str | None = None,
                  inline: bool = False) -> None:
         self.backend = backend

@@ -192,13 +192,11 @@ class EmbedderServicer:
 
     async def _handle(self, rpc: str, req: Any, key: str | None, deadline: float | None) -> Any:
         """The reply message for a parsed request; counts it. Raises EmbedcarError."""
-        reply, timings = await (self._embed if rpc == "embed" else self._search)(req, key, deadline)
+        reply = await (self._embed if rpc == "embed" else self._search)(req, key, deadline)
         self._ok[rpc].inc()
-        self.metrics.observe_timings(rpc, timings)
         return reply
 
-    async def _embed(self, req: pb.EmbedRequest, key: str | None, deadline: float | None
-                     ) -> tuple[pb.EmbedReply, dict[str, int]]:
+    async def _embed(self, req: pb.EmbedRequest, key: str | None, deadline: float | None) -> pb.EmbedReply:
         out = await self.service.embed(req.texts, model=req.model or None, api_key=key, deadline=deadline)
         emb = out.embeddings
         if req.float16:
@@ -208,10 +206,9 @@ class EmbedderServicer:
         reply = pb.EmbedReply(embeddings=data, rows=emb.shape[0], dim=emb.shape[1], dtype=dtype,
                               model=out.model, cache_hits=out.cache_hits, truncated=out.truncated,
                               timings=pb.Timings(**out.timings_ns), backend=out.backend)
-        return reply, out.timings_ns
+        return reply
 
-    async def _search(self, req: pb.SearchRequest, key: str | None, deadline: float | None
-                      ) -> tuple[pb.SearchReply, dict[str, int]]:
+    async def _search(self, req: pb.SearchRequest, key: str | None, deadline: float | None) -> pb.SearchReply:
         try:  # proto3 enums are open: an unknown number parses, and is refused here
             mode = pb.SearchMode.Name(req.mode)
         except ValueError:
@@ -223,7 +220,7 @@ class EmbedderServicer:
                      for hits in found.hits],
             model=found.model, index_version=found.index_version, cache_hits=found.cache_hits,
             timings=pb.Timings(**found.timings_ns), backend=found.backend)
-        return reply, found.timings_ns
+        return reply
 
     def _error(self, rpc: str, exc: EmbedcarError) -> pb.StreamError:
         self.metrics.requests.labels(rpc, exc.code).inc()

@@ -213,7 +213,6 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
             metrics.requests.labels("http_embed", Internal.code).inc()
             return _error(Internal(f"unexpected error: {type(exc).__name__}"))
         metrics.requests.labels("http_embed", "ok").inc()
-        metrics.observe_timings("embed", out.timings_ns)
         data: list[dict[str, Any]] = [
             {"object": "embedding", "index": i,
              "embedding": base64.b64encode(row.astype("<f4").tobytes()).decode() if body.encoding_format == "base64"
@@ -241,7 +240,6 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
             metrics.requests.labels("http_search", Internal.code).inc()
             return _error(Internal(f"unexpected error: {type(exc).__name__}"))
         metrics.requests.labels("http_search", "ok").inc()
-        metrics.observe_timings("search", out.timings_ns)
         data = [{"index": i, "cache_hit": hit, "hits": [
                     {"id": h.id, "score": h.score, "fields": h.fields, "legs": list(h.legs)} for h in hits]}
                 for i, (hits, hit) in enumerate(zip(out.hits, out.cache_hits, strict=True))]

@@ -28,7 +28,7 @@ from inference.tokenizer import QueryTokenizer, TokenBatch
 from sidecar.admission import Admission
 from sidecar.batcher import MicroBatcher
 from sidecar.cache import EmbeddingCache
-from sidecar.metrics import Metrics
+from sidecar.metrics import Metrics, ModelMetrics
 from sidecar.pipeline import EmbedPipeline
 from sidecar.scheduler import BackendHealth, DirectScheduler, FallbackScheduler, Scheduler
 from sidecar.search_index import IndexHolder
@@ -54,6 +54,7 @@ class ServedModel:
     pipeline: EmbedPipeline
     owns_backend: bool
     max_rows_per_pass: int
+    metrics: ModelMetrics  # this version's series
 
     @property
     def version_id(self) -> str:
@@ -90,6 +91,7 @@ class ServedModel:
         await self.index.close()
         if self.owns_backend:
             await self.backend.close()
+        self.metrics.retire()
 
     async def _calibrate(self) -> None:
         """Seed the admission cost model with two timed calls, so the first requests are judged fairly."""
@@ -137,14 +139,15 @@ def build_model(settings: Settings, name: str, metrics: Metrics, *, backend: Bac
     hosts = max(1, len(settings.triton.urls)) if backend.batches_itself else 1
     admission = Admission(max_outstanding_items=(s.max_pending_batches + 1) * s.max_rows_per_pass * hosts,
                           budget_s=s.admission_budget_ms / 1e3, lanes=backend.lanes)
-    health = BackendHealth(metrics)
+    mm = metrics.for_model(name, backend.version_id)
+    health = BackendHealth(mm)
 
     def scheduler_for(b: Backend, label: str | None = None) -> Scheduler:
         # Triton batches itself: straight through. The embedded model does not: the micro-batcher.
         if b.batches_itself:
-            return DirectScheduler(b, tokenizer, metrics)
+            return DirectScheduler(b, tokenizer, mm)
         return MicroBatcher(b, tokenizer, max_items=s.max_rows_per_pass, wait_us=s.batch_wait_us,
-                            admission=admission, metrics=metrics, label=label, inline=s.inline_forward)
+                            admission=admission, metrics=mm, label=label, inline=s.inline_forward)
 
     fallback: Scheduler | None = None
     if backend.batches_itself and s.embedded_fallback and _model_file_present(settings, manifest):
@@ -156,11 +159,11 @@ def build_model(settings: Settings, name: str, metrics: Metrics, *, backend: Bac
     cache = EmbeddingCache(backend.version_id, s.cache_entries, s.cache_ttl_s)
     pipeline = EmbedPipeline(
         tokenizer=tokenizer, lowercase=manifest.lowercase, cache=cache, admission=admission, scheduler=scheduler,
-        metrics=metrics, dim=backend.dim,
+        metrics=mm, dim=backend.dim,
         max_batch=min(settings.model.max_texts_per_call, backend.max_batch if backend.max_batch > 0 else 256),
         max_chars=s.max_text_chars, max_items_per_call=s.max_rows_per_pass)
     return ServedModel(name, manifest, backend, tokenizer, cache, admission, health, scheduler, holder, pipeline,
-                       owns, s.max_rows_per_pass)
+                       owns, s.max_rows_per_pass, mm)
 
 
 def _model_file_present(settings: Settings, manifest: Manifest) -> bool:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 from inference.backends.base import Backend, Embeddings
 from inference.errors import DeadlineExceeded, Unavailable
 from inference.tokenizer import QueryTokenizer
-from sidecar.metrics import Metrics
+from sidecar.metrics import ModelMetrics
 
 
 class Computed(NamedTuple):
@@ -52,7 +52,7 @@ class Scheduler(ABC):
 class DirectScheduler(Scheduler):
     """For backends that batch themselves: one call per chunk, straight through."""
 
-    def __init__(self, backend: Backend, tokenizer: QueryTokenizer, metrics: Metrics) -> None:
+    def __init__(self, backend: Backend, tokenizer: QueryTokenizer, metrics: ModelMetrics) -> None:
         self.backend = backend
         self._tokenizer = tokenizer
         self._metrics = metrics
@@ -75,7 +75,7 @@ class BackendHealth:
     """Whether the primary backend answers: cleared by its Unavailable errors, restored by the
     sidecar's health probe. `on_down` runs when it goes down (the sidecar updates its health)."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: ModelMetrics) -> None:
         self.up = True
         self.on_down: Callable[[], None] | None = None
         self._metrics = metrics

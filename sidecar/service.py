@@ -94,7 +94,9 @@ class EmbedService:
         tm.auth = time.perf_counter_ns() - t0
         out = await served.pipeline.run(texts, self._deadline(deadline), tm)
         tm.total = time.perf_counter_ns() - t0
-        return EmbedOutcome(out.embeddings, out.cache_hits, out.truncated, out.tokens, tm.as_dict(), out.backend,
+        timings = tm.as_dict()
+        served.metrics.observe_timings("embed", timings)
+        return EmbedOutcome(out.embeddings, out.cache_hits, out.truncated, out.tokens, timings, out.backend,
                             served.version_id)
 
     async def search(self, texts: Sequence[object], *, k: int = 10, department: str | None = None,
@@ -132,4 +134,6 @@ class EmbedService:
         tm.lexical = ranking.lexical_ns
         tm.search = t3 - t2 - ranking.lexical_ns  # the FAISS leg, fusion, the hits' fields and the thread hop
         tm.total = t3 - t0
-        return SearchOutcome(hits, str(index.version), cache_hits, tm.as_dict(), backend, served.version_id)
+        timings = tm.as_dict()
+        served.metrics.observe_timings("search", timings)
+        return SearchOutcome(hits, str(index.version), cache_hits, timings, backend, served.version_id)

@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from demo_ui.settings import Settings
 from inference.errors import EmbedcarError
@@ -114,6 +115,8 @@ def test_rollout_and_rollback_under_load_never_mix_model_and_index(settings: Set
         _cli("model", "rollback", *common)
         load.wait_for_model(v1_id)
         time.sleep(0.5)
+        # The retired version's series go once it has drained; the served one's stay.
+        _wait(lambda: _versions_in_metrics(sc) == {v1_id})
     assert load.errors == []
     seen = Counter(load.replies)
     mixed = [(m, v) for (m, v) in seen if _index_model(index_root, v) != m]
@@ -121,6 +124,12 @@ def test_rollout_and_rollback_under_load_never_mix_model_and_index(settings: Set
     models_seen = [m for m, _ in load.replies]
     assert models_seen.count(v2_id) > 0 and models_seen[0] == models_seen[-1] == v1_id
     assert len(load.replies) > 50
+
+
+def _versions_in_metrics(sc: Sidecar) -> set[str]:
+    """The model versions with series in the sidecar's metrics (what Prometheus would scrape)."""
+    return {smp.labels["version"] for fam in text_string_to_metric_families(sc.metrics.render().decode())
+            for smp in fam.samples if "version" in smp.labels}
 
 
 def _candidate_warm(sc: Sidecar) -> bool:

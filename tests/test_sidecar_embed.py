@@ -79,7 +79,7 @@ def test_duplicates_in_one_request_and_float16(sidecar_client: Client) -> None:
 async def _lead(sc: Sidecar, probe: ProbeBackend, c: AsyncClient, text: str, joiners: int, *,
                 timeout_s: float | None = None) -> tuple[asyncio.Task[EmbedResult], list[asyncio.Task[EmbedResult]]]:
     """A leader whose computation the probe holds, then `joiners` callers of the same text joined to it."""
-    joins = sc.metrics.singleflight_joins._value
+    joins = sc.models.default.metrics.singleflight_joins._value
     probe.hold.clear()
     probe.entered.clear()  # start-up's calibration set it
     leader = asyncio.create_task(c.embed([text], timeout_s=timeout_s))
@@ -141,7 +141,8 @@ async def test_a_joiner_whose_deadline_passes_first_leaves_the_leader_computing(
     with t as sc:
         async with AsyncClient(sc.grpc_target) as c:
             leader, _ = await _lead(sc, probe_backend, c, "plum sorbet", 0, timeout_s=60)
-            joins, before = sc.metrics.singleflight_joins._value, sc.metrics.singleflight_joins._value.get()
+            joins = sc.models.default.metrics.singleflight_joins._value
+            before = joins.get()
             rows = probe_backend.rows
             # Through the service on the sidecar's own loop, so the error is the sidecar's join
             # deadline and not a client's timer racing it.

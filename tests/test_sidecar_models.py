@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from demo_ui.settings import Settings
 from inference.backends.factory import make_backend
@@ -104,6 +105,36 @@ def test_grpc_unary_and_stream_take_the_model_field(two_models: Sidecar) -> None
     with Client(two_models.grpc_target) as c:
         again = c.embed(["whole milk"], model=MINE)
     assert again.cache_hits == [True] and np.array_equal(again.embeddings, mine.embeddings)
+
+
+def _series(sc: Sidecar) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """The sidecar's /metrics as {(sample name, labels): value}."""
+    text = httpx.get(f"http://127.0.0.1:{sc.http_port}/metrics").text
+    return {(smp.name, frozenset(smp.labels.items())): smp.value
+            for fam in text_string_to_metric_families(text) for smp in fam.samples}
+
+
+def test_metrics_are_per_model_version(two_models: Sidecar) -> None:
+    with Client(two_models.grpc_target) as c:
+        version = c.embed(["metrics probe"], model=MINE).model
+        before = _series(two_models)
+        c.embed(["per model a", "per model b", "per model c"], model=MINE)
+        after = _series(two_models)
+    mine = {("model", MINE), ("version", version)}
+    default = next(dict(labels) for (name, labels) in after if name == "embedcar_model_info"
+                   and dict(labels)["model"] != MINE)
+
+    def delta(name: str, labels: set[tuple[str, str]]) -> float:
+        key = (name, frozenset(labels))
+        return after[key] - before.get(key, 0.0)
+
+    assert delta("embedcar_cache_misses_total", mine) == 3
+    assert delta("embedcar_cache_misses_total", set(default.items())) == 0  # the other model saw nothing
+    assert delta("embedcar_stage_seconds_count", mine | {("rpc", "embed"), ("stage", "total")}) == 1
+    assert delta("embedcar_batch_size_count", mine) >= 1
+    assert delta("embedcar_backend_answers_total", mine | {("backend", "embedded")}) == 1
+    assert after[("embedcar_backend_up", frozenset(mine))] == 1
+    assert after[("embedcar_cache_entries", frozenset(mine))] >= 4
 
 
 def test_dimensions_truncates_and_renormalises(two_models: Sidecar) -> None:

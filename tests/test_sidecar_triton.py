@@ -168,4 +168,5 @@ def test_embedded_fallback_answers_while_triton_is_down(settings: Settings, own_
             assert wait_for(lambda: load.answered[-1] == "triton", 60)
             assert c.embed(["after the restart"]).backend == "triton"
         assert load.errors == []
-        assert sc.metrics.backend_answers.labels("embedded-fallback")._value.get() >= 5
+        fallback = sc.metrics.backend_answers.labels(*sc.models.default.metrics.labels, "embedded-fallback")
+        assert fallback._value.get() >= 5
