@@ -13,7 +13,8 @@ the new version beside the one in service, off the request path:
 Every request resolves its model once (sidecar.service), so until the switch it searches the old
 index with the old model and after it the new index with the new model: never one with the other.
 Rolling back is one command, `embedcar model rollback --model NAME` (the previous directory comes
-back; its index versions are still in the index root), and goes through the same steps.
+back; its index versions are still in the index root), and goes through the same steps. So does a
+new default variant (`embedcar model report NAME --set-default`) where the sidecar serves the default.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import logging
 from collections.abc import Callable
 
 from inference.errors import EmbedcarError
-from inference.manifest import load_manifest, verify_files
+from inference.manifest import Manifest, load_manifest, verify_files
 from sidecar.metrics import Metrics
 from sidecar.models import ModelSet, ServedModel, build_model, model_settings
 from sidecar.settings import Settings
@@ -69,22 +70,26 @@ class Rollout:
             await asyncio.gather(*self._retiring, return_exceptions=True)
 
     def _on_disk(self, name: str) -> str | None:
-        """The version id prepared in model `name`'s directory now; None while it is being replaced."""
+        """The id of what model `name`'s directory would serve now (its version and the configured variant,
+        or the manifest's default: a new default rolls out like a new version); None while it is replaced."""
         try:
-            return load_manifest(model_settings(self.settings, name).model.model_dir).version_id
+            return self._serves(load_manifest(model_settings(self.settings, name).model.model_dir))
         except EmbedcarError:
             return None
+
+    def _serves(self, manifest: Manifest) -> str:
+        return manifest.variant_id(self.settings.model.variant)
 
     async def check(self, name: str) -> None:
         """One step of `name`'s rollout: start a candidate for a new version, switch once it is ready."""
         current = self.models.get(name)
         version = await asyncio.to_thread(self._on_disk, name)
         cand = self._candidates.get(name)
-        if cand is not None and cand.manifest.version_id != version:  # superseded, or rolled back meanwhile
+        if cand is not None and self._serves(cand.manifest) != version:  # superseded, or rolled back meanwhile
             del self._candidates[name]
             await cand.close()
             cand = None
-        if version is None or version == current.manifest.version_id:
+        if version is None or version == self._serves(current.manifest):
             return
         if cand is None:
             cand = await self._start_candidate(name, version)
@@ -112,7 +117,7 @@ class Rollout:
         model_dir = settings.model.model_dir
         manifest = await asyncio.to_thread(load_manifest, model_dir)
         problems = await asyncio.to_thread(verify_files, model_dir, manifest)
-        if manifest.version_id != version or problems:
+        if self._serves(manifest) != version or problems:
             return None  # still being written: the next poll sees it whole
         cand = build_model(self.settings, name, self.metrics, on_index_load=self._on_index_load)
         try:

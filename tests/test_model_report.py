@@ -4,7 +4,9 @@ figures; then one short real run on the bundled MiniLM (structure and sane value
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +14,22 @@ import pytest
 
 from catalog.settings import CatalogSettings
 from catalog.settings import Settings as CatalogAppSettings
+from demo_ui.settings import Settings as SidecarAppSettings
 from inference.cli_main import build_parser
-from inference.manifest import Manifest
-from loadtest.bench.model_report import ReportConfig, index_bytes_per_item, run_report, variants_to_measure
-from loadtest.bench.model_verdict import Rule, check_shape, finish, int8_flags, markdown, verdict
+from inference.manifest import Manifest, load_manifest, verify_files
+from inference.prepare import prepare_model
+from loadtest.bench.model_report import (
+    ReportConfig,
+    index_bytes_per_item,
+    run_report,
+    set_defaults,
+    variants_to_measure,
+)
+from loadtest.bench.model_verdict import Rule, check_shape, choose_default, finish, int8_flags, markdown, verdict
+from sidecar.app import SidecarThread
+from sidecar.client import Client
+from tests.fixtures_models import tiny_st_folder
+from tests.fixtures_sidecar import sidecar_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 RULE = Rule(rate=100, sla_ms=20)
@@ -142,3 +156,45 @@ def test_a_short_real_report_on_the_bundled_model(tmp_path: Path, model_dir: Pat
     assert abs(fp32 - int8) < 0.1
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"| {model_dir.name} | 384 | fp32" in paths["md"].read_text()
+
+
+def test_the_default_is_the_fastest_variant_within_the_quality_tolerance() -> None:
+    def model(*rows: dict[str, Any]) -> dict[str, Any]:
+        m: dict[str, Any] = _report(list(rows))["models"][0]
+        return m
+
+    fast_int8 = choose_default(model(_row("fp32", 12, 150, (0.50, 0.90)), _row("int8", 8, 250, (0.495, 0.90))))
+    assert fast_int8 is not None and fast_int8[0] == "int8" and "int8 8.00 ms, fp32 12.00 ms" in fast_int8[1]
+    worse = choose_default(model(_row("fp32", 12, 150, (0.50, 0.90)), _row("int8", 8, 250, (0.47, 0.90))))
+    assert worse is not None and worse[0] == "fp32" and "left out for quality: int8 (aisle-name" in worse[1]
+    slower = choose_default(model(_row("fp32", 7, 150, (0.50, 0.90)), _row("int8", 8, 250, (0.50, 0.90))))
+    assert slower is not None and slower[0] == "fp32"
+    no_quality = _row("fp32", 7, 150)
+    no_quality["quality"] = {}
+    assert choose_default(model(no_quality, _row("int8", 5, 250))) is None  # nothing to judge int8 against
+
+
+def test_set_default_writes_the_manifest_and_a_sidecar_serving_the_default_rolls_over(
+        settings: SidecarAppSettings, tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    prepare_model(models, "shop-tiny", from_dir=tiny_st_folder(tmp_path / "st"), say=lambda _m: None)
+    before = load_manifest(models / "shop-tiny")
+    assert {"fp32", "int8"} <= set(before.variants)
+    other = "fp32" if before.default_variant == "int8" else "int8"
+    s = sidecar_settings(settings, model_poll_s=0.2, grace_s=0.2)
+    s = dataclasses.replace(s, model=dataclasses.replace(s.model, models_dir=models, name="shop-tiny", variant=""))
+    # Measured rows (made up here: the measuring has its own test) in which `other` wins.
+    rows = [_row(other, 5, 300, (0.50, 0.90)), _row(before.default_variant, 9, 200, (0.50, 0.90))]
+    report = _report(rows)
+    report["models"][0].update(name="shop-tiny", version_id=before.version_id)
+    with SidecarThread(s) as sc, Client(sc.grpc_target) as c:
+        assert c.embed(["oat milk"]).model == before.variant_id(before.default_variant)
+        assert set_defaults(s, report, say=lambda _m: None) == {"shop-tiny": other}
+        after = load_manifest(models / "shop-tiny")
+        assert after.default_variant == other and "fastest at batch 1" in after.default_reason
+        assert after.version_id == before.version_id and verify_files(models / "shop-tiny", after) == []
+        deadline = time.monotonic() + 60
+        while c.embed(["oat milk"]).model != after.variant_id(other):  # no index: it switches once warm
+            assert time.monotonic() < deadline, "the sidecar did not roll over to the new default"
+            time.sleep(0.1)
+    assert set_defaults(s, report, say=lambda _m: None) == {}  # already so: nothing written

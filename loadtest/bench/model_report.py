@@ -38,7 +38,7 @@ from inference.files import atomic_write_text
 from inference.manifest import Manifest, load_manifest
 from inference.settings import ModelSettings
 from loadtest.bench.model import time_calls, token_batch
-from loadtest.bench.model_verdict import SCHEMA, Rule, check_shape, finish, markdown, save_png
+from loadtest.bench.model_verdict import SCHEMA, Rule, check_shape, choose_default, finish, markdown, save_png
 from loadtest.bench.serving import git_commit, machine_info
 
 log = logging.getLogger(__name__)
@@ -153,8 +153,33 @@ def report_model(settings: Settings, name: str, cfg: ReportConfig, products: Seq
             "refused": manifest.refused, "skipped_variants": skipped, "variants": rows}
 
 
+def set_defaults(settings: Settings, report: dict[str, Any], say: Say = print) -> dict[str, str]:
+    """Write each model's measured default variant (model_verdict.choose_default) into its manifest,
+    atomically; {name: variant} for the manifests changed. Sidecars serving the model's default
+    (variant "") roll over to it with an index built with it, as for a new version."""
+    changed = {}
+    for m in report["models"]:
+        choice = choose_default(m, report.get("date", "")[:10])
+        if choice is None:
+            say(f"{m['name']}: no default set: fp32's quality was not measured (--limit 0?)")
+            continue
+        variant, why = choice
+        model_dir = for_model(settings, m["name"]).model.model_dir
+        manifest = load_manifest(model_dir)
+        if manifest.version_id != m["version_id"]:
+            raise ModelError(f"{model_dir} changed while it was measured ({m['version_id']} -> "
+                             f"{manifest.version_id}): run the report again")
+        m["default_variant"], m["default_reason"] = variant, why
+        if (manifest.default_variant, manifest.default_reason) == (variant, why):
+            continue
+        dataclasses.replace(manifest, default_variant=variant, default_reason=why).save(model_dir)
+        say(f"{m['name']}: serves {variant} by default now (was {manifest.default_variant}): {why}")
+        changed[m["name"]] = variant
+    return changed
+
+
 def run_report(settings: Settings, names: Sequence[str], cfg: ReportConfig, *, out_dir: Path, command: str = "",
-               say: Say = print) -> tuple[dict[str, Any], dict[str, Path]]:
+               set_default: bool = False, say: Say = print) -> tuple[dict[str, Any], dict[str, Path]]:
     cfg.validate()
     for name in names:  # all prepared before minutes of measuring start
         load_manifest(for_model(settings, name).model.model_dir)
@@ -174,6 +199,8 @@ def run_report(settings: Settings, names: Sequence[str], cfg: ReportConfig, *, o
     finish(report, cfg.rule)
     if problems := check_shape(report):  # a bug here, not a measurement: say so before writing
         raise ModelError(f"model report is incomplete: {'; '.join(problems)}")
+    if set_default:
+        set_defaults(settings, report, say)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "model_report.json", "md": out_dir / "model_report.md",
              "png": out_dir / "model_report.png"}

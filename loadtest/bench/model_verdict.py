@@ -78,6 +78,32 @@ def int8_flags(rows: Sequence[dict[str, Any]], tolerance: float = INT8_NDCG_TOLE
     return out
 
 
+def choose_default(model: dict[str, Any], date: str = "") -> tuple[str, str] | None:
+    """The variant a model should serve by default from its measured rows, and why: the fastest at
+    batch 1 (P95, 32 tokens) among fp32 and the reduced precisions within the nDCG@10 tolerance of
+    fp32 on every query set. None where fp32's quality was not measured (nothing to judge against)."""
+    rows = {r["variant"]: r for r in model["variants"]}
+    ref = rows.get("fp32", {}).get("quality") or {}
+    if not all(s in ref for s in QUERY_SETS):
+        return None
+    flags = int8_flags(model["variants"])
+    eligible = [v for v, r in rows.items() if v == "fp32" or (r.get("quality") and not flags.get(v)
+                                                               and all(s in r["quality"] for s in QUERY_SETS))]
+
+    def p95(v: str) -> float:
+        return float(rows[v]["latency_ms"][f"1x{VERDICT_TOKENS}"]["p95"])
+
+    best = min(eligible, key=p95)
+    ndcg = "; ".join(f"{v} " + ", ".join(f"{s} {rows[v]['quality'][s]['ndcg_at_10']:.3f}" for s in QUERY_SETS)
+                     for v in sorted(rows) if rows[v].get("quality"))
+    left = [f"{v} ({'; '.join(f)})" for v, f in sorted(flags.items()) if f]
+    why = (f"measured by `embedcar model report`{f' on {date}' if date else ''}: fastest at batch 1 within "
+           f"{INT8_NDCG_TOLERANCE} nDCG@10 of fp32 (1x{VERDICT_TOKENS} P95 "
+           + ", ".join(f"{v} {p95(v):.2f} ms" for v in sorted(eligible, key=p95)) + f"; nDCG@10 {ndcg})"
+           + (f"; left out for quality: {', '.join(left)}" if left else ""))
+    return best, why
+
+
 def finish(report: dict[str, Any], rule: Rule) -> dict[str, Any]:
     """Add each row's verdict and quality flags (in place) and return the report."""
     for model in report["models"]:
