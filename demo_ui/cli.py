@@ -11,7 +11,7 @@ from inference.flags import add_flags, flag_overrides
 
 def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="set up and start the typeahead demo (model, index, Triton, sidecar, page)")
-    add_flags(p, "demo", DemoSettings, "host", "port", "budget_ms", "search_mode")
+    add_flags(p, "demo", DemoSettings, "host", "port", "budget_ms", "search_mode", "tls_cert_file", "tls_key_file")
     p.add_argument("--backend", choices=("auto", "triton", "embedded"), default="auto",
                    help="auto: local Triton where it can run, else embedded ONNX Runtime")
     p.add_argument("--no-triton", action="store_true", help="same as --backend embedded")

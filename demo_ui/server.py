@@ -43,6 +43,7 @@ from demo_ui.slot import LatestSlot
 from inference.errors import EmbedcarError, Internal, InvalidInput, Overloaded, Unauthenticated
 from inference.text import check_unicode
 from sidecar.auth import KeyRing
+from sidecar.tls import server_tls
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +273,9 @@ class DemoServer(uvicorn.Server):
 
 
 def build_server(app: FastAPI, settings: DemoSettings, *, port: int | None = None) -> DemoServer:
+    """HTTPS where settings name a certificate, required beyond loopback (sidecar/tls.py)."""
+    tls = server_tls("demo", settings.host, settings.tls_cert_file, settings.tls_key_file,
+                     plaintext_beyond_loopback=settings.plaintext_beyond_loopback)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -281,5 +285,6 @@ def build_server(app: FastAPI, settings: DemoSettings, *, port: int | None = Non
         log_level="warning",
         access_log=False,
         lifespan="off",
+        **(tls.uvicorn_options() if tls is not None else {}),
     )
     return DemoServer(config)

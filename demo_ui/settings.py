@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from catalog.fusion import SearchMode
 from inference.settings import setting
@@ -13,6 +14,11 @@ from sidecar import settings as sidecar
 class DemoSettings:
     host: str = setting("127.0.0.1", "Address the demo web server binds to.")
     port: int = setting(8765, "Demo web server port (0 = a free one).")
+    tls_cert_file: Path | None = setting(
+        None, "PEM certificate the demo serves HTTPS with; required beyond loopback (sidecar/tls.py).")
+    tls_key_file: Path | None = setting(None, "PEM private key of tls_cert_file (0600).")
+    plaintext_beyond_loopback: bool = setting(
+        False, "Serve plain HTTP on a non-loopback host (TLS ends in a proxy in front).")
     budget_ms: float = setting(20.0, "Per-keystroke latency budget shown on the page.")
     max_messages_per_s: float = setting(50.0, "Per-connection websocket message cap.")
     max_message_bytes: int = setting(4096, "Largest websocket message accepted; bigger closes the socket.")

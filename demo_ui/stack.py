@@ -125,7 +125,7 @@ async def serve(prepared: Prepared, say: Say, *, stop: asyncio.Event | None = No
             await asyncio.sleep(0.02)
         if settle_heap:  # the web server's objects too, created after the sidecar settled
             heap.settle()
-        url = f"http://{demo.host}:{server.port}/"
+        url = f"{'https' if server.config.is_ssl else 'http'}://{demo.host}:{server.port}/"
         say(f"demo ready: {url}  (backend {prepared.backend}; Ctrl-C to stop)")
         if on_ready:
             on_ready(url)

@@ -40,6 +40,7 @@ from sidecar.search_index import IndexHolder
 from sidecar.service import EmbedService
 from sidecar.settings import Settings
 from sidecar.shedding import Gate
+from sidecar.tls import server_tls
 from sidecar.unix_socket import UnixSocket
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class Sidecar:
         self.settings = settings
         self.keys = KeyRing.from_settings(s)
         check_bind(s.host, self.keys)
+        self.tls = server_tls("sidecar", s.host, s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file,
+                              plaintext_beyond_loopback=s.plaintext_beyond_loopback)
         self.metrics = Metrics()
         on_load = self._index_loaded if settle_heap else None
         names = served_names(settings)
@@ -165,7 +168,7 @@ class Sidecar:
         if self._settle_heap:  # the process's collector is ours to report
             self._unwatch_gc = heap.watch_pauses(self.metrics.observe_gc_pause)
         servicer = EmbedderServicer(self.service, self.metrics, self.gate)
-        self._grpc, self.grpc_port, self.uds = create_server(s, servicer, self._health)
+        self._grpc, self.grpc_port, self.uds = create_server(s, servicer, self._health, self.tls)
         await self._grpc.start()
         if s.http_port >= 0:
             await self._start_http(s.host, s.http_port, s.max_message_bytes)
@@ -252,7 +255,8 @@ class Sidecar:
         sock = listen_tcp(host, port)
         self.http_port = int(sock.getsockname()[1])
         config = uvicorn.Config(app, http=UpgradeTolerantHttp, log_level="warning", access_log=False, lifespan="off",
-                                limit_concurrency=None, timeout_graceful_shutdown=int(self.settings.sidecar.grace_s))
+                                limit_concurrency=None, timeout_graceful_shutdown=int(self.settings.sidecar.grace_s),
+                                **(self.tls.uvicorn_options() if self.tls is not None else {}))
         self._http = uvicorn.Server(config)
         self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]), name="http")
         # uvicorn offers no "started" event to await.

@@ -21,7 +21,8 @@ def add_sidecar_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     add_flags(p, "triton", TritonSettings, "urls")
     add_flags(p, "sidecar", SidecarSettings, "models", "host", "grpc_port", "uds_path", "http_port", "backend",
-              "index_dir", "api_keys_file", "warm_queries_file", "cache_entries")
+              "index_dir", "api_keys_file", "warm_queries_file", "cache_entries", "tls_cert_file", "tls_key_file",
+              "tls_client_ca_file")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

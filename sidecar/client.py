@@ -6,7 +6,8 @@
         t = c.search(["oat mi"], mode="hybrid")  # FAISS + lexical prefix search, fused
 
 A target is anything grpc dials: `host:port`, or `unix:/abs/path` (also `unix:///abs/path`) for the
-sidecar's Unix socket (sidecar.uds_path) for same-host callers.
+sidecar's Unix socket (sidecar.uds_path) for same-host callers. A sidecar on another host serves TLS
+(sidecar/tls.py): pass `tls=ClientTls(ca_file=...)` (and a certificate and key under mutual TLS).
 
 `AsyncClient(target, stream=True)` sends the same calls as messages on one long-lived `Stream`
 call instead of a unary call each: about half the round trip, for callers with a steady flow of
@@ -22,6 +23,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
@@ -220,6 +222,26 @@ class StreamSession:
                 await asyncio.gather(stream.reader, return_exceptions=True)
 
 
+@dataclass(frozen=True, slots=True)
+class ClientTls:
+    """TLS to a sidecar beyond loopback: the CA that signed its certificate; a certificate and key where
+    it asks for one (mutual TLS); `server_name` where the target's name is not in its certificate."""
+
+    ca_file: Path
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    server_name: str = ""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca_file.read_bytes(),
+            private_key=self.key_file.read_bytes() if self.key_file else None,
+            certificate_chain=self.cert_file.read_bytes() if self.cert_file else None)
+
+    def options(self) -> list[tuple[str, Any]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
 class _Calls:
     """What both clients share: target, key metadata, and the generated stub (the method table),
     which builds the same multi-callables on a sync or an aio channel."""
@@ -232,8 +254,11 @@ class _Calls:
 
 
 class AsyncClient(_Calls):
-    def __init__(self, target: str, *, api_key: str | None = None, stream: bool = False) -> None:
-        super().__init__(target, api_key, grpc.aio.insecure_channel(target, options=_OPTIONS))
+    def __init__(self, target: str, *, api_key: str | None = None, stream: bool = False,
+                 tls: ClientTls | None = None) -> None:
+        channel = (grpc.aio.secure_channel(target, tls.credentials(), options=_OPTIONS + tls.options()) if tls
+                   else grpc.aio.insecure_channel(target, options=_OPTIONS))
+        super().__init__(target, api_key, channel)
         self._session = StreamSession(self._stub, self._metadata) if stream else None
 
     async def embed(self, texts: Sequence[str], *, float16: bool = False, model: str | None = None,
@@ -270,8 +295,10 @@ class AsyncClient(_Calls):
 
 
 class Client(_Calls):
-    def __init__(self, target: str, *, api_key: str | None = None) -> None:
-        super().__init__(target, api_key, grpc.insecure_channel(target, options=_OPTIONS))
+    def __init__(self, target: str, *, api_key: str | None = None, tls: ClientTls | None = None) -> None:
+        channel = (grpc.secure_channel(target, tls.credentials(), options=_OPTIONS + tls.options()) if tls
+                   else grpc.insecure_channel(target, options=_OPTIONS))
+        super().__init__(target, api_key, channel)
 
     def embed(self, texts: Sequence[str], *, float16: bool = False, model: str | None = None,
               timeout_s: float | None = None) -> EmbedResult:

@@ -31,6 +31,7 @@ from sidecar.proto import embedcar_pb2 as pb
 from sidecar.service import EmbedService
 from sidecar.settings import SidecarSettings
 from sidecar.shedding import Gate
+from sidecar.tls import ServerTls
 from sidecar.unix_socket import UnixSocket, bind_unix_socket, prepare_unix_socket
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
@@ -234,8 +235,8 @@ class EmbedderServicer:
         await context.abort(grpc_code(exc), exc.message, trailing_metadata=trailer)
 
 
-def create_server(settings: SidecarSettings, servicer: EmbedderServicer,
-                  health: HealthServicer) -> tuple[grpc.aio.Server, int, UnixSocket | None]:
+def create_server(settings: SidecarSettings, servicer: EmbedderServicer, health: HealthServicer,
+                  tls: ServerTls | None = None) -> tuple[grpc.aio.Server, int, UnixSocket | None]:
     """A configured, unstarted server bound to settings.host:grpc_port (0 = free port), and to the
     Unix socket settings.uds_path when set (no network reach: the bind check does not apply to it)."""
     uds_path = prepare_unix_socket(settings.uds_path) if settings.uds_path is not None else None
@@ -260,7 +261,7 @@ def create_server(settings: SidecarSettings, servicer: EmbedderServicer,
         (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     host = settings.host
     address = f"[{host}]:{settings.grpc_port}" if ":" in host else f"{host}:{settings.grpc_port}"
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, tls.grpc_credentials()) if tls else server.add_insecure_port(address)
     uds = bind_unix_socket(server, uds_path) if uds_path is not None else None
     return server, port, uds
 

@@ -27,6 +27,13 @@ class SidecarSettings:
         True, "Triton backend: answer with the embedded model while no Triton URL answers (only when the "
         "model's ONNX file is present in model_dir; replies and metrics name the backend that answered)."
     )
+    tls_cert_file: Path | None = setting(
+        None, "PEM certificate (chain) gRPC and HTTP serve TLS with; required beyond loopback (sidecar/tls.py).")
+    tls_key_file: Path | None = setting(None, "PEM private key of tls_cert_file (0600).")
+    tls_client_ca_file: Path | None = setting(
+        None, "PEM CA: clients must present a certificate it signed (mutual TLS); empty = any client (keys decide).")
+    plaintext_beyond_loopback: bool = setting(
+        False, "Serve plaintext on a non-loopback host (TLS ends in a proxy in front, e.g. a service mesh).")
     api_keys: str = setting("", "tenant=key pairs, comma-separated.", secret=True)
     api_keys_file: Path | None = setting(None, "File of `tenant key` lines (or `tenant sha256:hex`).")
     rate_per_s: float = setting(1000.0, "Token bucket refill rate per tenant (requests/s).")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inference import pem
 from inference.errors import FailedPrecondition
 from inference.settings import TritonSettings, env_name
 
@@ -67,51 +68,16 @@ def read_key(path: Path | None, setting_name: str) -> str:
     return text
 
 
-def _read_pem(path: Path | None, setting_name: str) -> bytes:
-    if path is None:
-        raise _needs(setting_name, "a PEM file; `embedcar triton certs` writes the pool's")
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise FailedPrecondition(f"{setting_name} {path}: cannot read it ({exc.strerror or exc})") from None
-
-
 def _certificate(path: Path | None, setting_name: str) -> tuple[bytes, Any]:
-    from cryptography import x509
-
-    pem = _read_pem(path, setting_name)
-    try:
-        return pem, x509.load_pem_x509_certificate(pem)
-    except ValueError:
-        raise FailedPrecondition(f"{setting_name} {path}: not a PEM certificate") from None
+    return pem.certificate(path, setting_name, _needs)
 
 
 def _private_key(path: Path | None, setting_name: str) -> tuple[bytes, Any]:
-    from cryptography.hazmat.primitives.serialization import load_pem_private_key
-
-    pem = _read_pem(path, setting_name)
-    try:
-        return pem, load_pem_private_key(pem, password=None)
-    except (ValueError, TypeError):  # the library's message may quote the input: not passed on
-        raise FailedPrecondition(f"{setting_name} {path}: not an unencrypted PEM private key") from None
-
-
-def _check_pair(cert: Any, key: Any, cert_name: str, cert_path: Path | None, key_name: str) -> None:
-    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-
-    def spki(k: Any) -> bytes:
-        return bytes(k.public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo))
-
-    if spki(cert.public_key()) != spki(key.public_key()):
-        raise FailedPrecondition(f"{key_name} does not belong to {cert_name} {cert_path}")
+    return pem.private_key(path, setting_name, _needs)
 
 
 def _check_issued_by(cert: Any, ca: Any, cert_name: str, cert_path: Path | None, ca_path: Path | None) -> None:
-    try:
-        cert.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, Exception) as exc:  # InvalidSignature is not a ValueError
-        raise FailedPrecondition(f"{cert_name} {cert_path} was not issued by the CA in triton.tls_ca_file "
-                                 f"{ca_path} ({type(exc).__name__})") from None
+    pem.check_issued_by(cert, ca, cert_name, cert_path, "triton.tls_ca_file", ca_path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +120,7 @@ def client_credentials(t: TritonSettings) -> ClientCredentials | None:
     if t.tls_client_cert_file is not None or t.tls_client_key_file is not None:
         cert_pem, cert = _certificate(t.tls_client_cert_file, "triton.tls_client_cert_file")
         key_pem, key = _private_key(t.tls_client_key_file, "triton.tls_client_key_file")
-        _check_pair(cert, key, "triton.tls_client_cert_file", t.tls_client_cert_file, "triton.tls_client_key_file")
+        pem.check_pair(cert, key, "triton.tls_client_cert_file", t.tls_client_cert_file, "triton.tls_client_key_file")
         _check_issued_by(cert, _ca, "triton.tls_client_cert_file", t.tls_client_cert_file, t.tls_ca_file)
     operator = read_key(t.operator_key_file, "triton.operator_key_file") if t.operator_key_file else None
     return ClientCredentials(ca_pem, cert_pem, key_pem, read_key(t.client_key_file, "triton.client_key_file"),
@@ -183,7 +149,7 @@ def server_flags(t: TritonSettings) -> ServerFlags:
     ca_pem, ca = _certificate(t.tls_ca_file, "triton.tls_ca_file")
     _pem, cert = _certificate(t.tls_server_cert_file, "triton.tls_server_cert_file")
     _key_pem, key = _private_key(t.tls_server_key_file, "triton.tls_server_key_file")
-    _check_pair(cert, key, "triton.tls_server_cert_file", t.tls_server_cert_file, "triton.tls_server_key_file")
+    pem.check_pair(cert, key, "triton.tls_server_cert_file", t.tls_server_cert_file, "triton.tls_server_key_file")
     _check_issued_by(cert, ca, "triton.tls_server_cert_file", t.tls_server_cert_file, t.tls_ca_file)
     del ca_pem, _pem, _key_pem
     client = read_key(t.client_key_file, "triton.client_key_file")
