@@ -70,7 +70,7 @@ def _declared_labels(metrics: Metrics) -> dict[str, tuple[str, ...]]:
     for collector in vars(metrics).values():
         if isinstance(collector, CollectorRegistry) or not hasattr(collector, "collect"):
             continue
-        names = tuple(getattr(collector, "_labelnames", None) or getattr(collector, "labelnames", ()))
+        names = tuple(getattr(collector, "_labelnames", ()) or getattr(collector, "labelnames", ()))
         for fam in collector.collect():
             out[fam.name] = names
     return out
