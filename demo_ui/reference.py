@@ -36,7 +36,7 @@ def stale(docs: Path = DOCS) -> list[Path]:
 
 
 def write(docs: Path = DOCS) -> list[Path]:
-    """Render every page first, then replace each file atomically: a failure leaves them as they were."""
+    """Every page rendered first (an error writes nothing), then each file replaced atomically."""
     rendered = pages()
     for name, text in rendered.items():
         atomic_write_text(docs / name, text)
