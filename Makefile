@@ -9,7 +9,7 @@ MODEL := models/all-MiniLM-L6-v2/manifest.json
 # dependencies: we use only the binary, and its Python API pins numpy < 2.
 PYTRITON := nvidia-pytriton==0.7.0
 
-.PHONY: install model demo test faults lint lock clean browser native java infinity
+.PHONY: install model demo test faults lint docs lock clean browser native java infinity
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -65,6 +65,10 @@ infinity:
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy .
+
+# The reference pages docs/settings.md and docs/metrics.md, written from the code (a test fails when they are stale).
+docs: $(STAMP)
+	$(BIN)/embedcar docs reference
 
 # Regenerate the lock file from the current venv (after changing dependencies).
 lock: $(STAMP)

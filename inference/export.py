@@ -190,9 +190,25 @@ def quantize_int8(fp32_path: Path, out: Path) -> None:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    # Fused com.microsoft ops defeat ONNX shape inference; their outputs are float.
-    quantize_dynamic(str(fp32_path), str(out), per_channel=True, weight_type=QuantType.QInt8,
-                     extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+    # Fused com.microsoft ops defeat ONNX shape inference; their outputs are float. The same ops are
+    # why the quantizer's pre-processing (shape inference) does not apply: its hint to run it is noise.
+    root = logging.getLogger()  # the quantizer logs through the root logger
+    hint = _DropMessage("pre-processing before quantization")
+    root.addFilter(hint)
+    try:
+        quantize_dynamic(str(fp32_path), str(out), per_channel=True, weight_type=QuantType.QInt8,
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+    finally:
+        root.removeFilter(hint)
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, needle: str) -> None:
+        super().__init__()
+        self.needle = needle
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.needle not in record.getMessage()
 
 
 def cosines(a: npt.NDArray[np.float32], b: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
@@ -225,7 +241,8 @@ def st_embeddings(src_dir: Path, texts: Sequence[str], prompt: str) -> npt.NDArr
         return None
     model = SentenceTransformer(str(src_dir), device="cpu", local_files_only=True)
     # prompt="" (not None): no prompt, not the model's default one
-    out = model.encode(list(texts), prompt=prompt, convert_to_numpy=True, batch_size=len(texts))
+    out = model.encode(list(texts), prompt=prompt, convert_to_numpy=True, batch_size=len(texts),
+                       show_progress_bar=False)
     return np.asarray(out, dtype=np.float32)
 
 

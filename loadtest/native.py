@@ -29,18 +29,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from inference.errors import Internal, InvalidInput, Unavailable
+from loadtest.runner import RunConfig, RunResult, Sample, SelfPacedTarget, settled_stats
 from loadtest.schedule import arrival_offsets, pacer_report
 from loadtest.targets import SidecarEmbedTarget, SidecarSearchTarget, SidecarStreamTarget, Target, Timings
 from sidecar.client import embed_request, search_request, status_error, stream_error, timings_of
 from sidecar.proto import embedcar_pb2 as pb
-
-if TYPE_CHECKING:
-    from loadtest.runner import RunConfig, RunResult
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +102,11 @@ def native_unavailable_reason(build_dir: Path = BUILD_DIR) -> str | None:
     return None
 
 
-class NativeTarget(Target):
+class NativeTarget(SelfPacedTarget):
     """A sidecar gRPC target whose schedule the compiled sender drives.
 
     Single calls (`call`: probes, the bench's settle step) still go through the Python target it
-    wraps, on the same sidecar; `loadtest.runner.run_load` hands whole runs to `run_native`.
+    wraps, on the same sidecar; `loadtest.runner.run_load` hands whole runs to `run_schedule`.
     """
 
     def __init__(self, python: SidecarEmbedTarget, *, build_dir: Path = BUILD_DIR) -> None:
@@ -140,6 +138,9 @@ class NativeTarget(Target):
 
     def describe(self) -> dict[str, Any]:
         return self.python.describe() | {"client": "native"}
+
+    async def run_schedule(self, texts: Sequence[str], config: RunConfig) -> RunResult:
+        return await run_native(self, texts, config)
 
     # --- the messages, and what comes back ---------------------------------------------------
 
@@ -242,8 +243,6 @@ async def send(exe: Path, address: str, method: str, mode: str, payloads: Sequen
 
 async def run_native(target: NativeTarget, texts: Sequence[str], config: RunConfig) -> RunResult:
     """`loadtest.runner.run_load` for a NativeTarget: the same schedule, samples and result."""
-    from loadtest.runner import RunResult, Sample, settled_stats
-
     if target.exe is None:
         raise InvalidInput("start the target before running load on it")
     offsets = arrival_offsets(config.rate, config.warmup_s + config.duration_s, arrivals=config.arrivals,

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import resource
 import time
+from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,6 @@ import numpy as np
 
 from inference import heap
 from inference.errors import DeadlineExceeded, EmbedcarError, Internal, InvalidInput
-from loadtest.native import NativeTarget, run_native
 from loadtest.schedule import PacerReport, arrival_offsets, pace, pacer_report
 from loadtest.targets import Target, Timings
 
@@ -90,6 +90,15 @@ def _cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+class SelfPacedTarget(Target):
+    """A target that keeps the schedule itself (the compiled sender, loadtest/native.py): `run_load`
+    hands it the whole run, which it records in the same samples and result."""
+
+    @abstractmethod
+    async def run_schedule(self, texts: Sequence[str], config: RunConfig) -> RunResult:
+        """`run_load` for this target: the same schedule, samples and result."""
+
+
 async def settled_stats(target: Target, *, pause_s: float = 0.05, max_s: float = 1.0
                         ) -> dict[str, dict[str, int]] | None:
     """The target's server statistics once two reads agree: Triton records a request just after its
@@ -110,8 +119,8 @@ async def run_load(target: Target, texts: Sequence[str], config: RunConfig) -> R
     config.validate()
     if not texts:
         raise InvalidInput("no queries to send")
-    if isinstance(target, NativeTarget):  # the compiled sender keeps the schedule itself
-        return await run_native(target, texts, config)
+    if isinstance(target, SelfPacedTarget):
+        return await target.run_schedule(texts, config)
     offsets = arrival_offsets(config.rate, config.warmup_s + config.duration_s, arrivals=config.arrivals,
                               seed=config.seed)
     n = len(offsets)

@@ -33,6 +33,7 @@ class StageHistograms(Collector):
     """
 
     name = "embedcar_stage_seconds"
+    labelnames = ("rpc", "stage", *MODEL_LABELS)
 
     def __init__(self) -> None:
         self._bounds = LATENCY_BUCKETS
@@ -59,7 +60,7 @@ class StageHistograms(Collector):
             del self._data[key]
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        fam = HistogramMetricFamily(self.name, "Time per request stage.", labels=["rpc", "stage", *MODEL_LABELS])
+        fam = HistogramMetricFamily(self.name, "Time per request stage.", labels=list(self.labelnames))
         for (rpc, model, version), rows in list(self._data.items()):
             for stage, row in rows.items():
                 cum = 0.0
@@ -69,6 +70,36 @@ class StageHistograms(Collector):
                     buckets.append((le, cum))
                 fam.add_metric([rpc, stage, model, version], buckets, row[-1])
         yield fam
+
+
+# What to alert on, per metric: the operator's half of the reference page (docs/metrics.md,
+# sidecar/metrics_reference.py), kept here so a new metric without it fails the reference test.
+ALERTS: dict[str, str] = {
+    "embedcar_stage_seconds": "P99 of stage=total (rpc=embed) above the callers' budget for 5 min; a rise in "
+    "stage=queue with flat stage=inference means the sidecar needs more cores, not a faster model.",
+    "embedcar_requests": "Share of code!=ok above 1 % for 5 min: unavailable or internal points at the "
+    "backend, invalid_argument at a caller, resource_exhausted or shed at capacity.",
+    "embedcar_cache_hits": "Dashboard: hit ratio hits / (hits + misses), per model. A sudden drop after a "
+    "deploy means a cold or disabled cache (sidecar.cache_entries).",
+    "embedcar_cache_misses": "See embedcar_cache_hits; misses are what reach the model.",
+    "embedcar_singleflight_joins": "No alert: how many misses shared another request's computation.",
+    "embedcar_rejections": "Any sustained reason=admission or reason=shed: traffic past capacity (add "
+    "sidecars or cores); reason=unauthenticated: a caller with a wrong key; reason=rate_limit: a tenant "
+    "past its sidecar.rate_per_s.",
+    "embedcar_backend_errors": "Any sustained rate: the backend (Triton or the embedded model) is failing.",
+    "embedcar_batch_size": "No alert: rows per backend call (batching at work under load).",
+    "embedcar_backend_answers": "backend=embedded-fallback above zero: Triton is down and the in-process model "
+    "answers in its place.",
+    "embedcar_backend_up": "0 for more than a minute (the backend is down; with embedded_fallback the "
+    "in-process model answers meanwhile).",
+    "embedcar_cache_entries": "No alert: the cache's fill (at most sidecar.cache_entries).",
+    "embedcar_model_switches": "Dashboard: each rollout or rollback; more than expected means flapping "
+    "versions.",
+    "embedcar_model_info": "Dashboard: the version each served model answers with (a rollout replaces the "
+    "series, and the retired version's other series go with it); no series: nothing in service.",
+    "embedcar_gc_pause_seconds": "P99 of generation=2 above a few ms: full collections are pausing every "
+    "request (the heap is not frozen, see inference/heap.py).",
+}
 
 
 class Metrics:

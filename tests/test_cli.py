@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inference.cli_main import build_parser
+from inference.cli_main import OwnInfo, build_parser, own_packages
 from inference.errors import InvalidInput
 from inference.flags import flag_overrides
 from inference.manifest import Manifest
@@ -88,3 +89,19 @@ def test_help_shows_settings_flags_with_their_variables() -> None:
         assert p.returncode == 0, p.stderr
         text = " ".join(p.stdout.split())  # argparse wraps help lines
         assert all(flag in text for flag in flags), (argv, text)
+
+
+def test_library_info_lines_stay_out_of_the_log_ours_do_not() -> None:
+    # ONNX Runtime's quantizer logs a line per tensor through the root logger at INFO.
+    quiet = OwnInfo(own_packages())
+    assert {"inference", "sidecar", "catalog", "demo_ui", "loadtest"} <= quiet.packages
+
+    def record(name: str, level: int) -> logging.LogRecord:
+        return logging.LogRecord(name, level, __file__, 1, "message", None, None)
+
+    assert quiet.filter(record("sidecar.app", logging.INFO))
+    assert quiet.filter(record("inference", logging.INFO))
+    assert not quiet.filter(record("root", logging.INFO))
+    assert not quiet.filter(record("onnx_model", logging.INFO))
+    assert not quiet.filter(record("inference_server", logging.INFO))  # a prefix is not our package
+    assert quiet.filter(record("root", logging.WARNING))
