@@ -1,5 +1,9 @@
-# The embedcar image used by docker-compose.yml (sidecar, catalog job, demo). The model directory
-# and indexes are mounted as volumes; `embedcar model prepare` fills them on first start.
+# The embedcar image used by docker-compose.yml (sidecar, catalog job, demo). It does not prepare
+# the model: the export needs the `export` extra (torch, transformers), which this image leaves out,
+# and compose mounts models/ read-only. Run `make model` on the host first; compose mounts models/
+# and indexes/ (the catalog service and the demo build the index there on first start).
+# Never built or run on this project's machines (no Docker engine there); tests/test_compose.py checks
+# the compose file without one.
 FROM python:3.11-slim
 WORKDIR /app
 COPY . .

@@ -2,7 +2,7 @@
 
 A full collection traverses every tracked object and holds the GIL throughout: in a sidecar that
 has loaded gRPC, FastAPI, FAISS and its index (~150k objects) each one paused every request for
-33-101 ms on this project's 2-core machines, a few times a minute under load (docs/benchmarks.md §9).
+33-101 ms on this project's 2-core machines, a few times a minute under load (docs/benchmarks.md, GC pauses).
 
 - A long-running server calls `settle()` once it has loaded what it keeps for good (and again
   after swapping in a new index): what exists then moves to the permanent generation, which no

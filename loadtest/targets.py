@@ -183,7 +183,7 @@ class HttpEmbedTarget(Target):
 
         # aiohttp rather than httpx: on this project's 2 shared cores the generator's own CPU is part
         # of every latency it reports, and per call (cache hits on the facade, same run) aiohttp cost
-        # 0.37 ms of client CPU and httpx 1.42 (P50 0.81 vs 1.91 ms): docs/benchmarks.md section 9.
+        # 0.37 ms of client CPU and httpx 1.42 (P50 0.81 vs 1.91 ms): docs/benchmarks.md, levers.
         # One keep-alive pool sized for the concurrency cap: connection set-up is not what we measure.
         self._client = aiohttp.ClientSession(base_url=self.base_url, headers=self._headers, trust_env=False,
                                              connector=aiohttp.TCPConnector(limit=256))

@@ -12,7 +12,7 @@ time over the last ~100 admissions (about a second at the SLA rate): the budget 
 that average exceeds the budget, and until it falls below half of it. A burst or a pause at normal
 traffic (a GC, a slow call, a whole micro-batch released at once, a 50-100 ms stall of a shared
 VM) barely moves the average, so rates below capacity see no rejections (a window of ~20 shed
-requests at 100-125 req/s on such stalls: docs/benchmarks.md §9); under sustained overload the
+requests at 100-125 req/s on such stalls: docs/benchmarks.md, admission); under sustained overload the
 queue is held near the budget, accepted latency stays near the SLA, and the excess is refused at
 once instead of expiring after it waited. The budget bounds the wait, not the request's own cost: a
 big batch on an idle backend still runs.

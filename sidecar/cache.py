@@ -7,7 +7,7 @@ Entries are stored as plain tuples of untracked values (an array, a bool, ints, 
 LRU cache whose order lives in a C `OrderedDict`: the garbage collector then has nothing to
 traverse per entry. Stored as objects in cachetools' TTLCache (a tracked link per key), a full
 cache of 100k entries made every full collection pause the whole sidecar for ~40-50 ms
-(docs/benchmarks.md §9). The TTL is checked on read instead.
+(docs/benchmarks.md, GC pauses). The TTL is checked on read instead.
 """
 
 from __future__ import annotations

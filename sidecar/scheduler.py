@@ -10,7 +10,7 @@ The micro-batcher teaches admission control the cost of each forward pass (`Admi
 so the pipeline only admits and releases. The direct scheduler does not: a call's round trip to a
 server that batches (and queues) concurrent calls includes that server's own queueing, so its
 samples priced every token at a small call's fixed cost, summed over calls that in fact run in one
-batch, and shed requests at 100 req/s (docs/benchmarks.md §9); the start-up calibration stands.
+batch, and shed requests at 100 req/s (docs/benchmarks.md, admission); the start-up calibration stands.
 """
 
 from __future__ import annotations

@@ -424,7 +424,7 @@ def markdown(result: Record) -> str:
             f"| {verdict} |")
     lines += [
         "",
-        f"Verdicts (issue #25): cpu ≤ model + {CPU_MARGIN_MS:g} ms (Triton: sidecar ≤ {TRITON_CPU_MS:g} ms); "
+        f"Verdicts (the targets): cpu ≤ model + {CPU_MARGIN_MS:g} ms (Triton: sidecar ≤ {TRITON_CPU_MS:g} ms); "
         f"p50 ≤ model + {P50_MARGIN_MS:g} ms; p95 ≤ {P95_FACTOR:g}× model; beside: P95 ≤ {cfg.get('sla_ms', 20):g} ms, "
         f"0 errors; neighbour: loss ≤ the sidecar's cores beside it + {NEIGHBOUR_SLACK * 100:g} points; "
         f"idle < {IDLE_MAX * 100:g} % of a core.",

@@ -179,7 +179,7 @@ void wait_until(int64_t due, int64_t spin_ns) {
 
 // A sender thread paces and sends; the completion-queue thread blocks in Next and records each
 // outcome the moment it arrives. (One thread doing both, polling with AsyncNext until the next
-// send, cost the same CPU but doubled the round trip here: docs/benchmarks.md section 9.)
+// send, cost the same CPU but doubled the round trip here: docs/benchmarks.md, levers.)
 class Run {
  public:
   Run(Options o, std::vector<Request> reqs)

@@ -4,7 +4,7 @@
 folder and compares, so the committed code cannot drift from the proto.
 
 sidecar.client calls through the generated `EmbedderStub` (no slower than hand-built callables:
-docs/benchmarks.md, section 3). The server does not use the generated servicer base: its
+docs/benchmarks.md, levers). The server does not use the generated servicer base: its
 registration deserializes requests inside grpc, where bad bytes become a generic failure, while
 sidecar.grpc_server parses them itself to answer INVALID_ARGUMENT with a reason.
 """
