@@ -60,13 +60,13 @@ class ModelSettings:
     forward_lanes: int = setting(
         1, "Embedded backend: forward passes that may run at once, each on intra_op_threads / lanes ORT "
         "threads. 1: every core on each query (lowest latency at light load); more: more queries per "
-        "second once a queue forms, each query a little slower (docs/benchmarks.md §9).", flag="lanes"
+        "second once a queue forms, each query a little slower (docs/benchmarks.md, 'Levers').", flag="lanes"
     )
     ort_spinning: bool = setting(
         False, "Embedded backend (in-process ORT): let its threads spin between calls. Off (default): "
         "a query costs about the model's own CPU; on: up to ~0.5 ms less latency per call on an "
         "otherwise idle host, for 2-3x the CPU per query, taken from the search node beside the sidecar "
-        "(docs/benchmarks.md section 10). The ORT inside Triton's CPU encoder has its own: "
+        "(docs/benchmarks.md, ORT's threads). The ORT inside Triton's CPU encoder has its own: "
         "triton.ort_spinning."
     )
     ort_spin_us: int = setting(
