@@ -14,7 +14,9 @@ PYTRITON := nvidia-pytriton==0.7.0
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[export,dev,ray]'
+	@# setuptools' notice on every editable install (our packages sit at the top level) says nothing
+	@# a newcomer can act on: that one message only is silenced.
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -c constraints.txt -e '.[export,dev,ray]'
 	$(BIN)/pip install -q --no-deps $(PYTRITON)
 	touch $@
 
