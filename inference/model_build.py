@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from inference import export
+from inference import export, runtimes
 from inference.buckets import buckets_for_max_length
 from inference.errors import ModelError
 from inference.files import sha256_file
@@ -65,12 +65,13 @@ class _Tok:
                               pad_id=self.pad_id, with_token_type_ids=self.with_types, prompt=prompt, pool_skip=skip)
 
 
-def _ours(path: Path, tok: _Tok, head: Head, role: str, texts: tuple[str, ...]) -> npt.NDArray[np.float32]:
+def _ours(path: Path, tok: _Tok, head: Head, role: str, texts: tuple[str, ...],
+          precision: str = "fp32") -> npt.NDArray[np.float32]:
     """The served path's embeddings of `texts` as one padded batch: tokenizer (with the role's
-    prompt) -> the ONNX graph at `path` -> the head."""
+    prompt) -> the ONNX graph at `path` on the runtime that serves `precision` -> the head."""
     qt = tok.for_role(role)
     batch = qt.batch(qt.encode(list(texts)).ids)
-    hidden = export.ort_hidden(path, batch.arrays())
+    hidden = runtimes.hidden_once(path, precision, batch.arrays())
     return head(hidden, batch.attention_mask, input_ids=batch.input_ids, skip=batch.pool_skip)
 
 
@@ -170,7 +171,8 @@ def build_model_dir(src: Path, out: Path, *, name: str, source: dict[str, str] |
         got: dict[str, float] = {}
         if precision == "fp32":
             got["max_abs_diff"] = export.hidden_diff(path, ref_hidden, feed)
-        got["min_cos"] = min(float(export.cosines(_ours(path, tok, head, r, texts), refs[r]).min()) for r in refs)
+        got["min_cos"] = min(float(export.cosines(_ours(path, tok, head, r, texts, precision), refs[r]).min())
+                             for r in refs)
         return got
 
     checks: dict[str, dict[str, float]] = {}
@@ -211,6 +213,14 @@ def build_model_dir(src: Path, out: Path, *, name: str, source: dict[str, str] |
             path.unlink()
             say(f"{precision} variant refused: {_fmt(got)} vs {ref_name}, needs min cos >= "
                 f"{export.MIN_COS[precision]}")
+    bf16 = _bf16_variant(fp32, raw.path, out / "model.bf16.onnx", figures, say, ref_name)
+    if bf16 is not None:
+        bf16_file, got = bf16
+        if bf16_file is None:
+            refused["bf16"] = got
+        else:
+            checks["bf16"] = got
+            files["bf16"] = (bf16_file, "bf16", bf16_file == fp32 and fused)
     raw.path.unlink()
 
     dense_file = dense_sha = ""
@@ -254,6 +264,33 @@ def build_model_dir(src: Path, out: Path, *, name: str, source: dict[str, str] |
         write_golden(model, tok, head, inputs, out / "golden.json")
     manifest.save(out)
     return manifest
+
+
+def _bf16_variant(fp32: Path, raw: Path, own: Path, figures: Callable[[Path, str], dict[str, float]], say: Say,
+                  ref_name: str) -> tuple[Path | None, dict[str, float]] | None:
+    """(the file the bf16 variant runs, its figures): OpenVINO on the fp32 graph, or on the plain
+    export copied to `own` where OpenVINO cannot read the fused one; the file is None where bf16
+    misses its tolerance. None where this host cannot run bf16 (said, not recorded: another may)."""
+    why = runtimes.bf16_unavailable()
+    if why:
+        say(f"bf16 variant not built: {why}")
+        return None
+    for path in (fp32, raw):
+        try:
+            got = figures(path, "bf16")
+        except ModelError as exc:
+            say(f"bf16 on {path.name}: {exc}")
+            continue
+        if not export.passes("bf16", got):
+            say(f"bf16 variant refused: {_fmt(got)} vs {ref_name}, needs min cos >= {export.MIN_COS['bf16']}")
+            return None, got
+        say(f"bf16 (OpenVINO): {_fmt(got)} vs {ref_name}")
+        if path == raw:
+            shutil.copyfile(raw, own)
+            return own, got
+        return path, got
+    say("bf16 variant refused: OpenVINO cannot compile the graph")
+    return None, {"min_cos": float("nan")}
 
 
 def _references(src: Path, folder: ModelFolder, model: Any, raw: Path, tok: _Tok, head: Head,

@@ -51,12 +51,13 @@ class ModelSettings:
     variant: str = setting(
         "", "ONNX variant to serve; empty = the model's own default, chosen when it was prepared and "
         "recorded in its manifest (int8 for the bundled MiniLM: about half fp32's latency at recall within "
-        "0.005 of it; fp32 for a model whose int8 missed its check). int8 (per-channel), fp32 (fused) or "
-        "fp16 (a GPU Triton's TensorRT plan). Embeddings, caches and catalog indexes are per variant: a "
-        "sidecar serves the newest index of its own."
+        "0.005 of it; fp32 for a model whose int8 missed its check; `model report --set-default` may pick "
+        "another from measurement). int8 (per-channel), fp32 (fused), bf16 (OpenVINO, embedded backend, "
+        "built where the CPU has AMX or AVX512-BF16) or fp16 (a GPU Triton's TensorRT plan). Embeddings, "
+        "caches and catalog indexes are per variant: a sidecar serves the newest index of its own."
     )
-    intra_op_threads: int = setting(0, "Embedded backend: ONNX Runtime intra-op threads; 0 = number of cores.",
-                                    flag="threads")
+    intra_op_threads: int = setting(
+        0, "Embedded backend: intra-op threads (ONNX Runtime, OpenVINO for bf16); 0 = number of cores.", flag="threads")
     forward_lanes: int = setting(
         1, "Embedded backend: forward passes that may run at once, each on intra_op_threads / lanes ORT "
         "threads. 1: every core on each query (lowest latency at light load); more: more queries per "

@@ -38,15 +38,14 @@ def create_app(model_dir: Path, *, variant: str = "fp32", threads: int = 0) -> A
     from fastapi import FastAPI, HTTPException
     from tokenizers import Tokenizer
 
-    from inference.backends.onnx import make_session
+    from inference.runtimes import open_graph
 
     manifest = load_manifest(model_dir)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     tok.enable_truncation(max_length=manifest.max_length)
     # The prototype's mistake on purpose: every text padded to the model maximum.
     tok.enable_padding(length=manifest.max_length, pad_id=manifest.pad_id)
-    sess = make_session(model_dir / manifest.variant(variant).file, threads)
-    input_names = {i.name for i in sess.get_inputs()}
+    graph = open_graph(model_dir / manifest.variant(variant).file, manifest.variant(variant).precision, threads)
     model_id = manifest.variant_id(variant)
     head = Head.from_manifest(model_dir, manifest)
 
@@ -65,7 +64,7 @@ def create_app(model_dir: Path, *, variant: str = "fp32", threads: int = 0) -> A
         ids = np.array([e.ids for e in encs], dtype=np.int64)
         mask = np.array([e.attention_mask for e in encs], dtype=np.int64)
         feed = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
-        hidden = sess.run(["last_hidden_state"], {k: v for k, v in feed.items() if k in input_names})[0]
+        hidden = graph.hidden({k: v for k, v in feed.items() if k in graph.inputs})
         emb = head(np.asarray(hidden), mask, input_ids=ids)
         n_tokens = int(mask.sum())
         return {

@@ -1,4 +1,5 @@
-"""Embedded ONNX Runtime backend: the model in-process, no server needed."""
+"""Embedded backend: the model in-process, no server needed, on ONNX Runtime (or OpenVINO for bf16:
+inference/runtimes.py)."""
 
 from __future__ import annotations
 
@@ -7,36 +8,16 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from inference.backends.base import Backend, Embeddings
-from inference.errors import Internal, InvalidInput, ModelError
+from inference.errors import Internal, InvalidInput
 from inference.head import Head
 from inference.manifest import Manifest
 from inference.padding import trim
+from inference.runtimes import Graph, open_graph
 from inference.tokenizer import TokenBatch
-
-
-def make_session(path: Path, threads: int, spinning: bool = False, spin_us: int = 0) -> Any:
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.intra_op_num_threads = threads if threads > 0 else (os.cpu_count() or 1)
-    opts.inter_op_num_threads = 1
-    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    opts.log_severity_level = 3
-    # Spinning threads answer the next call sooner but hold both cores for a while after each
-    # call, which the event loop sharing those cores pays for (see docs/benchmarks.md).
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-    if spinning and spin_us > 0:  # bounded: spin through a forward's gaps between ops, not the idle time after it
-        opts.add_session_config_entry("session.intra_op.spin_duration_us", str(spin_us))
-    try:
-        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # ORT raises its own untyped errors for unreadable graphs
-        raise ModelError(f"ONNX Runtime cannot load {path}: {exc}") from exc
 
 
 class OnnxBackend(Backend):
@@ -56,6 +37,7 @@ class OnnxBackend(Backend):
         self.manifest = manifest
         self.variant_name = variant or manifest.default_variant
         self._path = model_dir / manifest.variant(self.variant_name).file
+        self._precision = manifest.variant(self.variant_name).precision
         self.lanes = max(1, lanes)
         self.threads = max(1, (threads if threads > 0 else (os.cpu_count() or 1)) // self.lanes)  # per call
         self._spinning = spinning
@@ -67,9 +49,8 @@ class OnnxBackend(Backend):
         self.dim = manifest.dim
         self.head = Head.from_manifest(model_dir, manifest)
         self.max_batch = max_batch
-        self._sess: Any = None
-        self._small: Any = None
-        self._inputs: tuple[str, ...] = ()
+        self._sess: Graph | None = None
+        self._small: Graph | None = None
         # At most `lanes` ORT calls at a time, each on its share of the threads: more calls than
         # that only fight over the cores and lengthen the tail. (A session runs concurrent calls.)
         self._calls = threading.BoundedSemaphore(self.lanes)
@@ -79,12 +60,12 @@ class OnnxBackend(Backend):
     # --- lifecycle -------------------------------------------------------------------------
     def load(self) -> None:
         if self._sess is None:
-            sess = make_session(self._path, self.threads, self._spinning, self._spin_us)
-            self._inputs = tuple(i.name for i in sess.get_inputs())
+            sess = open_graph(self._path, self._precision, self.threads, spinning=self._spinning,
+                              spin_us=self._spin_us)
             if self.small_pass_tokens:
                 # One thread on a short query: nearly the two-thread latency at about half the CPU
                 # (no second thread to wake and join after every op).
-                self._small = make_session(self._path, 1, False)
+                self._small = open_graph(self._path, self._precision, 1)
             self._sess = sess
 
     def warm_up(self) -> None:
@@ -121,16 +102,17 @@ class OnnxBackend(Backend):
             raise InvalidInput(f"batch of {batch.shape[0]} is over the backend maximum {self.max_batch}")
         b, n = batch.shape
         small = self._small is not None and b * n <= self.small_pass_tokens
-        return self._run(self._small if small else self._sess, batch)
+        sess = self._small if small else self._sess
+        assert sess is not None
+        return self._run(sess, batch)
 
-    def _run(self, sess: Any, batch: TokenBatch) -> np.ndarray:
-        feed = {k: v for k, v in batch.arrays().items() if k in self._inputs}
+    def _run(self, graph: Graph, batch: TokenBatch) -> np.ndarray:
+        feed = {k: v for k, v in batch.arrays().items() if k in graph.inputs}
         with self._calls:
             try:
-                out = sess.run(["last_hidden_state"], feed)[0]
+                return graph.hidden(feed)
             except Exception as exc:
-                raise Internal(f"ONNX Runtime failed on a {batch.shape} batch: {exc}") from exc
-        return np.asarray(out)
+                raise Internal(f"{type(graph).__name__} failed on a {batch.shape} batch: {exc}") from exc
 
     def embed_sync(self, batch: TokenBatch) -> Embeddings:
         if self.pad_multiple:

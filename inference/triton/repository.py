@@ -30,6 +30,7 @@ from inference.errors import InvalidInput, ModelError
 from inference.files import atomic_write_text
 from inference.head import head_params
 from inference.manifest import Manifest
+from inference.runtimes import runtime_of
 from inference.settings import Settings
 
 TARGETS = ("cpu", "gpu")
@@ -228,7 +229,9 @@ def generate_repository(settings: Settings, manifest: Manifest, model_dir: Path,
     if target not in TARGETS:
         raise InvalidInput(f"unknown Triton target {target!r}; expected cpu or gpu")
     variant = variant or settings.model.variant or manifest.default_variant
-    manifest.variant(variant)  # fails clearly on an unknown variant
+    if runtime_of(manifest.variant(variant).precision) != "onnxruntime":  # also fails clearly on an unknown one
+        raise ModelError(f"the {variant} variant of {manifest.name} runs on the embedded backend only (OpenVINO); "
+                         "a Triton repository serves fp32, fp16 or int8: set EMBEDCAR_MODEL_VARIANT")
     repo = (out_dir or settings.triton.repo_dir).resolve()
     sys_path = [str(project_root)] if project_root else stub_sys_path()
     fused = pooled_in_encoder(settings, target)

@@ -36,6 +36,7 @@ from inference.backends.onnx import OnnxBackend
 from inference.errors import InvalidInput, ModelError
 from inference.files import atomic_write_text
 from inference.manifest import Manifest, load_manifest
+from inference.runtimes import bf16_unavailable
 from inference.settings import ModelSettings
 from loadtest.bench.model import time_calls, token_batch
 from loadtest.bench.model_verdict import SCHEMA, Rule, check_shape, choose_default, finish, markdown, save_png
@@ -115,6 +116,8 @@ def variants_to_measure(manifest: Manifest, wanted: Sequence[str]) -> tuple[list
         if v in manifest.variants:
             if not wanted and v in CPU_SKIPS:
                 skipped[v] = CPU_SKIPS[v]
+            elif manifest.variants[v].precision == "bf16" and bf16_unavailable():
+                skipped[v] = bf16_unavailable()
             else:
                 chosen.append(v)
         elif v in manifest.refused:
