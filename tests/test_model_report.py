@@ -49,7 +49,7 @@ def _report(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"schema": 1, "date": "2026-12-02T19:00:00+00:00", "commit": "abc", "command": "x",
             "machine": {"cpu": "test cpu", "cpus_usable": 2},
             "config": {"latency_samples": 300, "throughput_samples": 30, "batch": 32, "tokens": 32,
-                       "quality_items": 5000, "known_items": 500, "threads_label": "2 ORT threads"},
+                       "quality_items": 5000, "known_items": 500, "threads_label": "2 threads"},
             "models": [{"name": "m", "version_id": "m@1", "dim": 384, "default_variant": "int8",
                         "default_reason": "int8 within its tolerance", "refused": {"fp16": {"min_cos": 0.5}},
                         "skipped_variants": {}, "variants": rows}]}

@@ -1,12 +1,12 @@
 """`embedcar model report NAME [NAME...]`: what a team reads before choosing a model for this host.
 
-Per prepared model and per variant, measured here: batch-1 latency at 16 and 32 tokens (raw ONNX
-Runtime with the model settings' threads, median and P95 of many calls), batched throughput (texts/s
-at batch 32 × 32 tokens), index bytes per item (flat, and the catalog's IVF-PQ layout), weak-label
-quality on the first --limit grocery products (catalog/quality.py, the `catalog quality` command's
-metrics, exact search), and a verdict on RATE req/s at P95 <= SLA (loadtest/bench/model_verdict.py
-says the rule). Also what each manifest serves by default and why, and an int8 row flagged where its
-nDCG@10 falls more than 0.01 below fp32.
+Per prepared model and per variant, measured here: batch-1 latency at 16 and 32 tokens (the raw
+graph on its runtime, ONNX Runtime or OpenVINO for bf16, with the model settings' threads, median
+and P95 of many calls), batched throughput (texts/s at batch 32 × 32 tokens), index bytes per item
+(flat, and the catalog's IVF-PQ layout), weak-label quality on the first --limit grocery products
+(catalog/quality.py, the `catalog quality` command's metrics, exact search), and a verdict on RATE
+req/s at P95 <= SLA (loadtest/bench/model_verdict.py says the rule). Also what each manifest serves
+by default and why, and an int8 row flagged where its nDCG@10 falls more than 0.01 below fp32.
 
 Writes model_report.json, model_report.md (one table) and model_report.png under --out (default
 reports/model_report, git-ignored). It lives in loadtest/ because it needs the catalog; `embedcar
@@ -194,7 +194,7 @@ def run_report(settings: Settings, names: Sequence[str], cfg: ReportConfig, *, o
         "config": {"variants": list(cfg.variants), "latency_samples": cfg.latency_samples,
                    "throughput_samples": cfg.throughput_samples, "batch": cfg.batch, "tokens": cfg.tokens,
                    "quality_items": len(products), "known_items": cfg.known_items, "intra_op_threads": threads,
-                   "threads_label": f"{threads} ORT threads" if threads else "ORT threads = cores (the default)",
+                   "threads_label": f"{threads} threads" if threads else "threads = cores (the default)",
                    "text_fields": list(settings.catalog.text_fields), "seed": cfg.seed},
         "models": [report_model(settings, n, cfg, products, say) for n in names],
     }

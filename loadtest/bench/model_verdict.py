@@ -171,10 +171,11 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         *notes,
         f"- Rule: {rule['text']}.",
-        f"- Latency: raw ONNX Runtime in one process, {cfg['threads_label']}, batch 1, median / P95 of "
-        f"{cfg['latency_samples']} calls per shape after warm-up; throughput: {cfg['batch']}×{cfg['tokens']} "
-        f"tokens, median of {cfg['throughput_samples']} calls. Host: {mach.get('cpu', '?')}, "
-        f"{mach.get('cpus_usable', '?')} usable cores, shared with other work (load average "
+        f"- Latency: the raw graph in one process (ONNX Runtime; OpenVINO for bf16), {cfg['threads_label']}, "
+        f"batch 1, median / P95 of {cfg['latency_samples']} calls per shape after warm-up; throughput: "
+        f"{cfg['batch']}×{cfg['tokens']} tokens, median of {cfg['throughput_samples']} calls. "
+        f"Host: {mach.get('cpu', '?')}, {mach.get('cpus_usable', '?')} usable cores, shared with other work "
+        "(load average "
         f"{_fmt(mach.get('load_avg_start'), '.1f')} at the start, {_fmt(mach.get('load_avg_end'), '.1f')} at the end): "
         "medians and P95 over many samples, read differences of a few percent as noise.",
         f"- Quality: `embedcar catalog quality`'s weak labels (catalog/quality.py) on the first {q} grocery products, "
