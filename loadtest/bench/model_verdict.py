@@ -206,15 +206,15 @@ def save_png(report: dict[str, Any], path: Path) -> None:
     for off, shape in ((-0.2, "1x16"), (0.2, "1x32")):
         ax.bar([x + off for x in xs], [r["latency_ms"][shape]["p95"] for _, r in rows], 0.4, label=f"P95 {shape}")
     ax.axhline(rule["sla_ms"] / 2, color="red", ls="--", label=f"SLA/2 = {rule['sla_ms'] / 2:g} ms")
-    ax.set(title="batch-1 latency (raw ORT)", ylabel="ms")
-    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set(title="batch-1 latency (raw graph)", ylabel="ms")
+    ax.set_xticks(list(xs), labels, fontsize=7, rotation=20, ha="right")
     ax.legend(fontsize=7)
     ax = axes[1]
     ax.bar(list(xs), [r["throughput"]["texts_per_s"] for _, r in rows], 0.6, color="tab:green")
     ax.axhline(2 * rule["rate"], color="red", ls="--", label=f"2 × {rule['rate']:g} req/s")
     ax.set(title=f"batched throughput ({report['config']['batch']}×{report['config']['tokens']} tokens)",
            ylabel="texts/s")
-    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_xticks(list(xs), labels, fontsize=7, rotation=20, ha="right")
     ax.legend(fontsize=7)
     ax = axes[2]
     for i, (label, r) in enumerate(rows):
