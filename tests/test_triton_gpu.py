@@ -27,7 +27,8 @@ from inference.manifest import Manifest
 from inference.ports import free_port
 from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer
-from inference.triton.repository import ENCODER, PLAN_FILE, generate_repository
+from inference.triton.names import served_names
+from inference.triton.repository import PLAN_FILE, generate_repository
 from inference.triton.trt_engine import EngineBuildError, Profile, build_engine, cache_key, trtexec_command
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,7 +121,7 @@ def _gpu_server(settings: Settings, manifest: Manifest, model_dir: Path, tmp: Pa
     repo = generate_repository(settings, manifest, model_dir, out_dir=tmp / "repo", target="gpu", variant="fp16")
     engine = build_engine(model_dir / manifest.variants["fp16"].file, tmp / "engines", inputs=manifest.inputs,
                           trtexec=_trtexec())
-    shutil.copyfile(engine, repo / ENCODER / "1" / PLAN_FILE)
+    shutil.copyfile(engine, repo / served_names(manifest, "fp16").encoder / "1" / PLAN_FILE)
     grpc, http = free_port(), free_port()
     log = (tmp / "tritonserver.log").open("wb")
     proc = subprocess.Popen(["tritonserver", f"--model-repository={repo}", f"--grpc-port={grpc}",
@@ -180,7 +181,7 @@ async def test_tensorrt_ensemble_matches_embedded(gpu_triton: str, manifest: Man
             got, want = await b.embed(batch), onnx_backend.embed_sync(batch)
             assert float(np.min(np.sum(got * want, axis=1))) >= 0.999, bucket  # fp16 engine vs fp32 ORT
         stats = await b.statistics()
-        assert stats["encoder"]["success_count"] > 0
+        assert stats[b.names.encoder]["success_count"] > 0
     finally:
         await b.close()
 
