@@ -222,11 +222,25 @@ class TritonBackend(Backend):
             index = await ep.stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), timeout=self.timeout_s,
                                                   metadata=self._md)
             names = sorted(m.name for m in index.models if m.name.startswith("embedder"))
-            have = f"; it serves {', '.join(names) or 'no embedder model'}"
+            have = f"; it serves {', '.join([await self._described(ep, n) for n in names]) or 'no embedder model'}"
         return VersionNotServed(f"Triton {ep.url} does not serve {self.model_name} (model version {self.version_id})"
                                 f"{have} ({detail}): generate the pool's repository with this version "
                                 "(`embedcar triton repo --models ...`), or serve the variant it has "
                                 "(model.variant, EMBEDCAR_MODEL_VARIANT)")
+
+    async def _described(self, ep: _Endpoint, model: str) -> str:
+        """`model (its variant id)` where its config records one."""
+        from tritonclient.grpc import service_pb2 as pb
+
+        from inference.triton.repository import VARIANT_ID_PARAM
+
+        with contextlib.suppress(Exception):
+            reply = await ep.stub.ModelConfig(pb.ModelConfigRequest(name=model), timeout=self.timeout_s,
+                                              metadata=self._md)
+            param = reply.config.parameters.get(VARIANT_ID_PARAM)
+            if param is not None and param.string_value:
+                return f"{model} ({param.string_value})"
+        return model
 
     async def _check_variant(self, ep: _Endpoint) -> None:
         """FailedPrecondition when Triton serves another variant than this backend's (the variant id
