@@ -28,8 +28,15 @@ from inference.ports import free_port
 from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer
 from inference.triton.names import served_names
-from inference.triton.repository import PLAN_FILE, generate_repository
-from inference.triton.trt_engine import EngineBuildError, Profile, build_engine, cache_key, trtexec_command
+from inference.triton.repository import PLAN_FILE, RepoModel, generate_models, generate_repository
+from inference.triton.trt_engine import (
+    EngineBuildError,
+    Profile,
+    build_engine,
+    cache_key,
+    install_repository,
+    trtexec_command,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,6 +101,23 @@ def test_engine_is_built_once_then_reused(tmp_path: Path) -> None:
     assert build("Other GPU") != first and (tmp_path / "calls").read_text().count("call") == 2
     onnx.write_bytes(b"changed model")
     assert build() != first
+
+
+def test_every_encoder_of_a_gpu_repository_gets_its_engine(settings: Settings, manifest: Manifest, model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """What the compose engine step runs: the plans go into the versioned encoder folders the
+    repository lists, one per model version, built from each model's own ONNX."""
+    other = dataclasses.replace(manifest, version_id=manifest.version_id + "x")
+    repo = generate_models(settings, [RepoModel(manifest, model_dir, "fp16"), RepoModel(other, model_dir, "fp16")],
+                           out_dir=tmp_path / "repo", target="gpu")
+    fake = str(_fake_trtexec(tmp_path))
+    engines = install_repository(repo, model_dir.parent, tmp_path / "cache", trtexec=fake, gpu="g", trt_version="1")
+    assert len(engines) == 2 and engines[0] == engines[1]  # the same ONNX: one engine, reused
+    for m in (manifest, other):
+        assert (repo / served_names(m, "fp16").encoder / "1" / PLAN_FILE).read_text() == "plan\n"
+    (repo / "ENGINES").unlink()
+    with pytest.raises(EngineBuildError, match="generate the GPU repository first"):
+        install_repository(repo, model_dir.parent, tmp_path / "cache", trtexec=fake, gpu="g", trt_version="1")
 
 
 def test_failed_build_leaves_no_engine(tmp_path: Path) -> None:
