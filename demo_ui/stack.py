@@ -75,7 +75,7 @@ def start_triton(settings: Settings, say: Say) -> tuple[Settings, TritonServer]:
     from inference.triton.launcher import TritonServer
 
     say("starting local Triton (CPU model repository)…")
-    triton = TritonServer(settings)
+    triton = TritonServer(settings, models=settings.sidecar.models)  # every model the sidecar serves
     try:
         triton.start()
     except BaseException:

@@ -195,10 +195,9 @@ def main(args: argparse.Namespace) -> int:
         summary["target"]["spec"] = spec.label
         summary["cpu_ms_per_request"] = cpu_per_request(result, server_cpu)
         if trace is not None and "tritonserver" in pids:  # the file is written as tritonserver stops
-            from inference.triton.repository import ENSEMBLE
             from inference.triton.trace import phase_table
 
-            summary["triton_phases_us"] = phase_table(trace, ensemble=ENSEMBLE, window_ns=result.window_ns)
+            summary["triton_phases_us"] = phase_table(trace, window_ns=result.window_ns)
         paths = write_run(result, summary, args.out)
         print(markdown(summary))
         print(f"reports: {', '.join(str(p) for p in paths.values())}")

@@ -230,7 +230,8 @@ def start_stack(spec: TargetSpec, settings: Settings, stack: contextlib.ExitStac
         from inference.triton.trace import trace_args
 
         extra = trace_args(triton_trace.resolve()) if triton_trace is not None else ()
-        server = stack.enter_context(TritonServer(settings, variant=variant, extra_args=extra))
+        server = stack.enter_context(TritonServer(settings, variant=variant, models=settings.sidecar.models,
+                                                  extra_args=extra))  # every model the sidecar serves
         _note(started, "tritonserver", server.pid)
         triton_url = server.grpc_url
     if spec.target == "triton":

@@ -232,7 +232,7 @@ class TritonTarget(Target):
     name = "triton"
 
     def __init__(self, urls: Sequence[str], model_dir: Path, *, variant: str | None = None,
-                 model_name: str = "embedder", credentials: ClientCredentials | None = None) -> None:
+                 model_name: str | None = None, credentials: ClientCredentials | None = None) -> None:
         self.urls = list(urls)
         self.credentials = credentials  # a hardened pool: TLS, the client key (and the operator's for statistics)
         self.model_dir = model_dir

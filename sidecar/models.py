@@ -116,13 +116,11 @@ def model_settings(settings: Settings, name: str) -> Settings:
 
 
 def served_names(settings: Settings) -> tuple[str, ...]:
-    """sidecar.models, or model.name alone; FailedPrecondition for a set the backend cannot serve."""
+    """sidecar.models, or model.name alone; FailedPrecondition for a model named twice. On the Triton
+    backend each model calls its own version's ensemble: the pool's repository must hold them all."""
     names = settings.sidecar.models or (settings.model.name,)
     if len(set(names)) != len(names):
         raise FailedPrecondition(f"sidecar.models names a model twice: {', '.join(names)}")
-    if len(names) > 1 and settings.sidecar.backend == "triton":
-        raise FailedPrecondition("the Triton backend serves one model (its repository's `embedder`); serve several "
-                                 "with the embedded backend, or one sidecar per model")
     return names
 
 

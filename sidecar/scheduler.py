@@ -105,7 +105,9 @@ class FallbackScheduler(Scheduler):
                 if self.fallback is None:
                     raise
         elif self.fallback is None:
-            raise Unavailable(f"backend {self.backend.name} is down; waiting for it to come back")
+            why = self.backend.down_reason()
+            raise Unavailable(f"backend {self.backend.name} is down{f' ({why})' if why else ''}; "
+                              "waiting for it to come back")
         return await self.fallback.run(bucket, ids, deadline)
 
     def start(self) -> None:

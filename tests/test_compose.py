@@ -13,7 +13,6 @@ import pytest
 
 from demo_ui.settings import Settings
 from inference.manifest import Manifest
-from inference.triton.repository import PLAN_FILE
 from inference.triton.tls import LOCKED_FLAGS, restricted_flags
 
 # PyYAML arrives with uvicorn[standard]; imported untyped so the check holds with or without its stubs.
@@ -131,15 +130,13 @@ def test_entrypoint_builds_engine_into_cache_then_serves(compose: dict[str, Any]
         (ROOT / "inference" / "triton" / "trt_engine.py").resolve()
     cache = re.search(r"--cache-dir (\S+)", entry)
     assert cache and cache.group(1) in mounts and mounts[cache.group(1)] in compose["volumes"]
-    onnx = re.search(r"--onnx (\S+)", entry)
-    assert onnx and onnx.group(1).endswith("/" + manifest.variants["fp16"].file)
-    assert "${EMBEDCAR_MODEL_NAME}" in onnx.group(1)
-    assert _env(t)["EMBEDCAR_MODEL_NAME"] == DEFAULTS.model.name
-    install = re.search(r"--install (\S+)", entry)
-    assert install and install.group(1).endswith(f"/encoder/1/{PLAN_FILE}")
+    # Every encoder the repository lists (one per model version, versioned folder names) gets its plan.
+    install = re.search(r"--repo (\S+) --models-dir (\S+)", entry)
+    assert install, entry
+    assert mounts[install.group(2)] == "./models"
     served = compose["services"]["triton"]
     repo = re.search(r"--model-repository=(\S+)", _entry(served))
-    assert repo and install.group(1).startswith(repo.group(1) + "/")
+    assert repo and install.group(1) == repo.group(1)
     assert mounts[repo.group(1)] == _mounts(served)[repo.group(1)][0], "installed into the repository Triton serves"
     # Engine first, then serve: a failed build must not start a server without its engine.
     assert served["depends_on"]["triton-engine"]["condition"] == "service_completed_successfully"

@@ -34,7 +34,7 @@ async def test_triton_target_reports_per_model_statistics(triton_server: Any, mo
     # those (from the samples' own times, so this holds on a busy machine too), never the others.
     assert summary["requests"] == 15
     late_warmups = sum(1 for s in result.samples if s.warmup and s.scheduled_s + s.latency_s > 0)
-    assert 15 <= triton["embedder"]["requests"] <= 15 + late_warmups
+    assert 15 <= triton[triton_server.ensembles[0]]["requests"] <= 15 + late_warmups
     assert any(r["executions"] > 0 and r["avg_batch"] >= 1 for r in triton.values())
 
 
@@ -45,5 +45,6 @@ async def test_triton_stats_reader_used_for_sidecar_runs(triton_server: Any) -> 
         snap = await stats.read()
     finally:
         await stats.close()
-    assert snap is not None and "embedder" in snap
-    assert {"inference_count", "execution_count", "queue_ns", "compute_infer_ns"} <= set(snap["embedder"])
+    ensemble = triton_server.ensembles[0]
+    assert snap is not None and ensemble in snap
+    assert {"inference_count", "execution_count", "queue_ns", "compute_infer_ns"} <= set(snap[ensemble])

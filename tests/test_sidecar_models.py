@@ -148,7 +148,8 @@ def test_dimensions_truncates_and_renormalises(two_models: Sidecar) -> None:
     assert too_many.status_code == 400 and "dimension 384" in too_many.json()["error"]["message"]
 
 
-def test_a_model_set_the_triton_backend_cannot_serve_is_refused_at_start(settings: Settings) -> None:
-    s = sidecar_settings(settings, models=("a", "b"), backend="triton")
-    with pytest.raises(FailedPrecondition, match="Triton backend serves one model"):
+def test_a_model_named_twice_is_refused_at_start(settings: Settings) -> None:
+    # Several models on the Triton backend are served (tests/test_triton_versions.py); twice the same is not.
+    s = sidecar_settings(settings, models=("a", "a"), backend="triton")
+    with pytest.raises(FailedPrecondition, match="names a model twice"):
         Sidecar(s)

@@ -115,7 +115,8 @@ def test_sidecar_refuses_a_triton_serving_another_variant(settings: Settings, tr
     """The session's Triton serves fp32; a sidecar on the int8 default would cache and search int8
     vectors under fp32 answers: it does not start, and says which setting to change."""
     s = triton_sidecar_settings(settings, triton_server).with_section("model", variant="int8")
-    with pytest.raises(FailedPrecondition, match=r"serves .*/fp32, .*configured for .*/int8"), SidecarThread(s):
+    with pytest.raises(FailedPrecondition, match=r"does not serve embedder\.\S+ \(model version .*/int8\); "
+                       r"it serves embedder\.\S+ \(.*/fp32\)"), SidecarThread(s):
         pass
 
 

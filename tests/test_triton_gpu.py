@@ -27,8 +27,16 @@ from inference.manifest import Manifest
 from inference.ports import free_port
 from inference.settings import Settings
 from inference.tokenizer import QueryTokenizer
-from inference.triton.repository import ENCODER, PLAN_FILE, generate_repository
-from inference.triton.trt_engine import EngineBuildError, Profile, build_engine, cache_key, trtexec_command
+from inference.triton.names import served_names
+from inference.triton.repository import PLAN_FILE, RepoModel, generate_models, generate_repository
+from inference.triton.trt_engine import (
+    EngineBuildError,
+    Profile,
+    build_engine,
+    cache_key,
+    install_repository,
+    trtexec_command,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,6 +103,23 @@ def test_engine_is_built_once_then_reused(tmp_path: Path) -> None:
     assert build() != first
 
 
+def test_every_encoder_of_a_gpu_repository_gets_its_engine(settings: Settings, manifest: Manifest, model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """What the compose engine step runs: the plans go into the versioned encoder folders the
+    repository lists, one per model version, built from each model's own ONNX."""
+    other = dataclasses.replace(manifest, version_id=manifest.version_id + "x")
+    repo = generate_models(settings, [RepoModel(manifest, model_dir, "fp16"), RepoModel(other, model_dir, "fp16")],
+                           out_dir=tmp_path / "repo", target="gpu")
+    fake = str(_fake_trtexec(tmp_path))
+    engines = install_repository(repo, model_dir.parent, tmp_path / "cache", trtexec=fake, gpu="g", trt_version="1")
+    assert len(engines) == 2 and engines[0] == engines[1]  # the same ONNX: one engine, reused
+    for m in (manifest, other):
+        assert (repo / served_names(m, "fp16").encoder / "1" / PLAN_FILE).read_text() == "plan\n"
+    (repo / "ENGINES").unlink()
+    with pytest.raises(EngineBuildError, match="generate the GPU repository first"):
+        install_repository(repo, model_dir.parent, tmp_path / "cache", trtexec=fake, gpu="g", trt_version="1")
+
+
 def test_failed_build_leaves_no_engine(tmp_path: Path) -> None:
     onnx = tmp_path / "model.onnx"
     onnx.write_bytes(b"x")
@@ -120,7 +145,7 @@ def _gpu_server(settings: Settings, manifest: Manifest, model_dir: Path, tmp: Pa
     repo = generate_repository(settings, manifest, model_dir, out_dir=tmp / "repo", target="gpu", variant="fp16")
     engine = build_engine(model_dir / manifest.variants["fp16"].file, tmp / "engines", inputs=manifest.inputs,
                           trtexec=_trtexec())
-    shutil.copyfile(engine, repo / ENCODER / "1" / PLAN_FILE)
+    shutil.copyfile(engine, repo / served_names(manifest, "fp16").encoder / "1" / PLAN_FILE)
     grpc, http = free_port(), free_port()
     log = (tmp / "tritonserver.log").open("wb")
     proc = subprocess.Popen(["tritonserver", f"--model-repository={repo}", f"--grpc-port={grpc}",
@@ -180,7 +205,7 @@ async def test_tensorrt_ensemble_matches_embedded(gpu_triton: str, manifest: Man
             got, want = await b.embed(batch), onnx_backend.embed_sync(batch)
             assert float(np.min(np.sum(got * want, axis=1))) >= 0.999, bucket  # fp16 engine vs fp32 ORT
         stats = await b.statistics()
-        assert stats["encoder"]["success_count"] > 0
+        assert stats[b.names.encoder]["success_count"] > 0
     finally:
         await b.close()
 

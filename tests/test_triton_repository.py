@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -11,21 +12,33 @@ from tritonclient.grpc import model_config_pb2 as mc
 from inference.errors import InvalidInput, ModelError
 from inference.manifest import Manifest
 from inference.settings import Settings
+from inference.triton.names import served_names
 from inference.triton.repository import (
     ENCODER,
-    ENSEMBLE,
+    ENGINES_FILE,
     POOLING,
     VARIANT_ID_PARAM,
+    RepoModel,
     cpu_sizing,
+    generate_models,
     generate_repository,
     load_config,
     repository_target,
 )
 
+ENSEMBLE = "embedder"
+
+
+def _dirs(repo: Path) -> dict[str, str]:
+    """kind (encoder, pooling, embedder) -> the one model folder of that kind (a one-version repository)."""
+    found = [d.name for d in repo.iterdir() if (d / "config.pbtxt").exists()]
+    kinds = {name.split(".")[0]: name for name in found}
+    assert len(kinds) == len(found), found
+    return kinds
+
 
 def _configs(repo: Path) -> dict[str, mc.ModelConfig]:
-    return {name: load_config(repo / name / "config.pbtxt") for name in (ENCODER, POOLING, ENSEMBLE)
-            if (repo / name).exists()}
+    return {kind: load_config(repo / name / "config.pbtxt") for kind, name in _dirs(repo).items()}
 
 
 def test_cpu_repository_pools_inside_the_encoder(settings: Settings, manifest: Manifest, model_dir: Path,
@@ -36,7 +49,7 @@ def test_cpu_repository_pools_inside_the_encoder(settings: Settings, manifest: M
     repo = generate_repository(settings, manifest, model_dir, out_dir=tmp_path, target="cpu", variant="int8")
     cfg = _configs(repo)
     assert set(cfg) == {ENCODER, ENSEMBLE}
-    assert not (repo / POOLING).exists(), "a leftover pooling model would start an idle stub"
+    assert POOLING not in _dirs(repo), "a leftover pooling model would start an idle stub"
     enc = cfg[ENCODER]
     assert enc.backend == "python" and enc.platform == ""
     assert enc.max_batch_size == settings.triton.max_batch_size
@@ -48,7 +61,8 @@ def test_cpu_repository_pools_inside_the_encoder(settings: Settings, manifest: M
     assert enc.parameters["special_ids"].string_value == ",".join(map(str, manifest.special_ids))
     assert not enc.dynamic_batching.HasField("default_queue_policy")  # why: test_cpu_repository_two_steps
     (step,) = cfg[ENSEMBLE].ensemble_scheduling.step
-    assert step.model_name == ENCODER and dict(step.output_map) == {"embedding": "embedding"}
+    assert step.model_name == served_names(manifest, "int8").encoder
+    assert dict(step.output_map) == {"embedding": "embedding"}
     assert {i.name for i in cfg[ENSEMBLE].input} == set(manifest.inputs)
     assert [o.name for o in cfg[ENSEMBLE].output] == ["embedding"]
 
@@ -76,8 +90,8 @@ def test_cpu_repository_two_steps(settings: Settings, manifest: Manifest, model_
     assert Path(enc.parameters["onnx_path"].string_value) == (model_dir / manifest.variants["int8"].file).resolve()
     assert enc.dynamic_batching.max_queue_delay_microseconds == settings.triton.max_queue_delay_us
     assert list(enc.dynamic_batching.preferred_batch_size) == sorted(settings.triton.preferred_batch_sizes)
-    assert (repo / ENCODER / "1" / "model.py").exists()
-    assert (repo / POOLING / "1" / "model.py").exists()
+    assert (repo / _dirs(repo)[ENCODER] / "1" / "model.py").exists()
+    assert (repo / _dirs(repo)[POOLING] / "1" / "model.py").exists()
     sys_path = enc.parameters["sys_path"].string_value.split(":")
     assert any(Path(p, "inference", "pooling.py").exists() for p in sys_path)
     assert any(Path(p, "onnxruntime").exists() for p in sys_path)
@@ -94,12 +108,13 @@ def test_cpu_repository_two_steps(settings: Settings, manifest: Manifest, model_
     ens = cfg[ENSEMBLE]
     assert ens.platform == "ensemble"
     steps = list(ens.ensemble_scheduling.step)
-    assert [s.model_name for s in steps] == [ENCODER, POOLING]
+    names = served_names(manifest, "int8")
+    assert [s.model_name for s in steps] == [names.encoder, names.pooling]
     assert steps[0].output_map["last_hidden_state"] == steps[1].input_map["last_hidden_state"]
     assert steps[1].input_map["attention_mask"] == "attention_mask"
     assert steps[1].output_map["embedding"] == "embedding"
     assert {i.name for i in ens.input} == set(manifest.inputs)
-    assert repository_target(repo) == ("cpu", manifest.variant_id("int8"))
+    assert repository_target(repo) == ("cpu", (manifest.variant_id("int8"),))
     assert ens.parameters[VARIANT_ID_PARAM].string_value == manifest.variant_id("int8")  # the sidecar checks it
 
 
@@ -115,7 +130,7 @@ def test_gpu_repository(settings: Settings, manifest: Manifest, model_dir: Path,
     (group,) = enc.instance_group
     assert group.kind == mc.ModelInstanceGroup.KIND_GPU and group.count == settings.triton.gpu_instances
     assert enc.dynamic_batching.max_queue_delay_microseconds == settings.triton.max_queue_delay_us
-    assert not (repo / ENCODER / "1" / "model.py").exists(), "a CPU leftover would confuse Triton"
+    assert not (repo / _dirs(repo)[ENCODER] / "1" / "model.py").exists(), "a CPU leftover would confuse Triton"
     assert cfg[POOLING].parameters["sys_path"].string_value == "/opt/embedcar"
     # A TensorRT plan cannot refuse expired requests itself: Triton's queue does it, from the
     # request's own timeout. The pooling step after it has nothing left to save.
@@ -125,7 +140,7 @@ def test_gpu_repository(settings: Settings, manifest: Manifest, model_dir: Path,
     # ids types agree along the ensemble, whatever the target chose
     id_types = {i.data_type for i in enc.input} | {i.data_type for i in cfg[ENSEMBLE].input}
     assert len(id_types) == 1
-    assert repository_target(repo) == ("gpu", manifest.variant_id("fp16"))
+    assert repository_target(repo) == ("gpu", (manifest.variant_id("fp16"),))
 
 
 def test_excluding_special_pooling_wires_input_ids(settings: Settings, manifest: Manifest, model_dir: Path,
@@ -179,3 +194,49 @@ def test_bad_inputs_are_clear_errors(settings: Settings, manifest: Manifest, mod
     bad.write_text('name: "x"\nmax_batch_sise: 4\n')
     with pytest.raises(ModelError, match="not a valid Triton model config"):
         load_config(bad)
+
+
+def _other_version(manifest: Manifest) -> Manifest:
+    """The same files under another version id (what a retrained model's manifest looks like to the names)."""
+    return dataclasses.replace(manifest, version_id=manifest.version_id + "x")
+
+
+def test_names_follow_the_model_and_its_variant(manifest: Manifest) -> None:
+    a, b = served_names(manifest, "int8"), served_names(manifest, "fp32")
+    assert a == served_names(manifest, "int8")  # deterministic: generator and clients agree
+    assert a.ensemble != b.ensemble and a.ensemble != served_names(_other_version(manifest), "int8").ensemble
+    assert served_names(manifest, "").ensemble == served_names(manifest, manifest.default_variant).ensemble
+    assert a.ensemble.startswith(f"embedder.{manifest.name}.") and a.variant_id == manifest.variant_id("int8")
+    odd = served_names(dataclasses.replace(manifest, name="shop/v2 model.x"), "int8")
+    for name in (odd.ensemble, odd.encoder, odd.pooling):
+        assert re.fullmatch(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[0-9a-f]{10}", name), name
+
+
+def test_one_repository_holds_two_versions_and_drops_the_ones_not_asked_for(
+        settings: Settings, manifest: Manifest, model_dir: Path, tmp_path: Path) -> None:
+    s = settings.with_section("triton", cpu_pooling="step")
+    old, new = RepoModel(manifest, model_dir, "int8"), RepoModel(_other_version(manifest), model_dir, "int8")
+    repo = generate_models(s, [old, new], out_dir=tmp_path, target="cpu")
+    for m in (old, new):
+        ens = load_config(repo / m.names.ensemble / "config.pbtxt")
+        assert [st.model_name for st in ens.ensemble_scheduling.step] == [m.names.encoder, m.names.pooling]
+        assert ens.parameters[VARIANT_ID_PARAM].string_value == m.names.variant_id
+    assert repository_target(repo) == ("cpu", (old.names.variant_id, new.names.variant_id))
+    (repo / "mine").mkdir()
+    (repo / "mine" / "config.pbtxt").write_text('name: "mine"\n')  # not generated: never removed
+    generate_models(s, [new], out_dir=tmp_path, target="cpu")
+    assert {d.name for d in repo.iterdir() if d.is_dir()} == {new.names.ensemble, new.names.encoder,
+                                                              new.names.pooling, "mine"}
+    with pytest.raises(InvalidInput, match="named twice"):
+        generate_models(s, [new, new], out_dir=tmp_path, target="cpu")
+
+
+def test_gpu_repository_lists_the_engines_to_build(settings: Settings, manifest: Manifest, model_dir: Path,
+                                                   tmp_path: Path) -> None:
+    repo = generate_repository(settings, manifest, model_dir, out_dir=tmp_path, target="gpu", variant="fp16")
+    (line,) = (repo / ENGINES_FILE).read_text().splitlines()
+    names = served_names(manifest, "fp16")
+    assert line.split("\t") == [names.encoder, model_dir.name, manifest.variants["fp16"].file,
+                                ",".join(manifest.inputs)]
+    generate_repository(settings, manifest, model_dir, out_dir=tmp_path, target="cpu")
+    assert not (repo / ENGINES_FILE).exists()

@@ -91,7 +91,7 @@ def _metric(server: TritonServer, pattern: str) -> float:
 
 def _pending(server: TritonServer, model: str) -> float:
     """Triton's gauge of requests queued for `model` and not yet handed to an instance."""
-    return _metric(server, rf'nv_inference_pending_request_count\{{model="{model}",version="1"\}}')
+    return _metric(server, rf'nv_inference_pending_request_count\{{model="{re.escape(model)}",version="1"\}}')
 
 
 async def test_dynamic_batching_happens(triton_server: TritonServer, backend: TritonBackend,
@@ -106,11 +106,11 @@ async def test_dynamic_batching_happens(triton_server: TritonServer, backend: Tr
     """
     n = 8
     batch = tokenizer.batch(tokenizer.encode(["bananas"]).ids, length=16)
-    stubs = _stub_pids(triton_server, "encoder")
+    stubs = _stub_pids(triton_server, triton_server.served[0].names.encoder)
     assert stubs, "no encoder stub process found"
     outcomes = []
     for _attempt in range(5):
-        before = (await backend.statistics())["encoder"]
+        before = (await backend.statistics())[backend.names.encoder]
         queued = False
         for pid in stubs:
             os.kill(pid, signal.SIGSTOP)
@@ -118,7 +118,7 @@ async def test_dynamic_batching_happens(triton_server: TritonServer, backend: Tr
             tasks = [asyncio.create_task(backend.embed(batch)) for _ in range(n)]
             deadline = time.monotonic() + _FREEZE_S
             while time.monotonic() < deadline:  # event: Triton holds >= 2 requests behind the frozen stubs
-                if await asyncio.to_thread(_pending, triton_server, "encoder") >= 2:
+                if await asyncio.to_thread(_pending, triton_server, backend.names.encoder) >= 2:
                     queued = True
                     break
                 await asyncio.sleep(0.005)
@@ -131,7 +131,7 @@ async def test_dynamic_batching_happens(triton_server: TritonServer, backend: Tr
         assert all(np.allclose(v, vectors[0], atol=1e-5) for v in vectors)
         after = before
         for _ in range(200):  # Triton records a batch's statistics just after sending its replies
-            after = (await backend.statistics())["encoder"]
+            after = (await backend.statistics())[backend.names.encoder]
             if after["inference_count"] - before["inference_count"] >= len(vectors):
                 break
             await asyncio.sleep(0.05)
@@ -160,8 +160,8 @@ async def test_statistics_cover_every_step(backend: TritonBackend, tokenizer: Qu
     await backend.embed(tokenizer.batch(tokenizer.encode(["eggs"]).ids))
     stats = await backend.statistics()
     # The CPU repository pools inside the encoder (one Python-backend hop): no separate pooling step.
-    assert {"embedder", "encoder"} <= set(stats) and "pooling" not in stats
-    for model in ("embedder", "encoder"):
+    assert {backend.model_name, backend.names.encoder} <= set(stats) and backend.names.pooling not in stats
+    for model in (backend.model_name, backend.names.encoder):
         s = stats[model]
         assert s["success_count"] > 0 and s["compute_infer_ns"] > 0 and s["queue_ns"] >= 0
 
@@ -197,7 +197,7 @@ async def test_malformed_requests_are_invalid_input(triton_server: TritonServer,
             inp.set_data_from_numpy(np.ones((1, 16), dtype=np.float32))
             inputs.append(inp)
         with pytest.raises(Exception) as info:
-            await client.infer("embedder", inputs, client_timeout=10.0)
+            await client.infer(triton_server.ensembles[0], inputs, client_timeout=10.0)
         assert isinstance(map_error(info.value, triton_server.grpc_url), InvalidInput)
     finally:
         await client.close()
@@ -212,8 +212,9 @@ async def test_deadline_is_enforced(backend: TritonBackend, tokenizer: QueryToke
 
 def _refused(server: TritonServer) -> float:
     """Requests the encoder did not compute: refused as expired by its model, or cancelled by Triton."""
-    return (_metric(server, r'embedcar_encoder_expired_total\{model="encoder"\}')
-            + _metric(server, r'nv_inference_request_failure\{model="encoder",reason="CANCELED",version="1"\}'))
+    encoder = re.escape(server.served[0].names.encoder)
+    return (_metric(server, rf'embedcar_encoder_expired_total\{{model="{encoder}"\}}')
+            + _metric(server, rf'nv_inference_request_failure\{{model="{encoder}",reason="CANCELED",version="1"\}}'))
 
 
 # The wait a lost wake-up costs is the batcher's fixed 500 ms; nothing else makes one request this slow.
@@ -230,7 +231,7 @@ async def test_back_to_back_requests_do_not_wait_for_a_lost_wakeup(backend: Trit
     """
     n = 300
     batch = tokenizer.batch(tokenizer.encode(["oat milk"]).ids, length=16)
-    before = (await backend.statistics())["encoder"]
+    before = (await backend.statistics())[backend.names.encoder]
     slow = []  # round trips as long as the lost wake-up's wait
     for _ in range(n):
         t0 = time.perf_counter()
@@ -238,7 +239,7 @@ async def test_back_to_back_requests_do_not_wait_for_a_lost_wakeup(backend: Trit
         if (took := time.perf_counter() - t0) >= _LOST_WAKEUP_S:
             slow.append(round(took * 1e3))
     for _ in range(200):  # Triton records a request's statistics just after sending its reply
-        after = (await backend.statistics())["encoder"]
+        after = (await backend.statistics())[backend.names.encoder]
         if after["queue_count"] - before["queue_count"] >= n:
             break
         await asyncio.sleep(0.01)
@@ -258,7 +259,7 @@ async def test_a_request_whose_deadline_passed_in_the_queue_is_not_computed(
     instead of computing them, and counts them on Triton's /metrics."""
     n = 4
     batch = tokenizer.batch(tokenizer.encode(["sourdough bread"]).ids, length=16)
-    stubs = _stub_pids(triton_server, "encoder")
+    stubs = _stub_pids(triton_server, triton_server.served[0].names.encoder)
     assert stubs, "no encoder stub process found"
     await backend.embed(batch)
     outcomes = []
@@ -363,15 +364,18 @@ async def test_a_triton_serving_another_variant_is_refused_at_start(triton_serve
                                                                    backend: TritonBackend) -> None:
     """Its embeddings would not match the sidecar's cache keys or the index of its own variant. The
     shared server serves fp32; a backend configured for int8 must not start, nor send it a request."""
-    before = (await backend.statistics())["embedder"]["inference_count"]
+    before = (await backend.statistics())[backend.model_name]["inference_count"]
     other = TritonBackend([triton_server.grpc_url], manifest, variant="int8", timeout_s=10.0, probe_interval_s=60.0)
     try:
-        with pytest.raises(FailedPrecondition, match=r"serves .*/fp32.*configured for .*/int8.*EMBEDCAR_MODEL_VARIANT"):
+        # It calls int8's own ensemble, which this server does not have: the error names both sides.
+        with pytest.raises(FailedPrecondition, match=rf"does not serve {re.escape(other.model_name)} "
+                           rf"\(model version .*/int8\); it serves {re.escape(backend.model_name)}.*"
+                           "EMBEDCAR_MODEL_VARIANT"):
             await other.start()
         assert not other.ready()
     finally:
         await other.close()
-    assert (await backend.statistics())["embedder"]["inference_count"] == before  # no warm-up sent either
+    assert (await backend.statistics())[backend.model_name]["inference_count"] == before  # no warm-up sent either
 
 
 # --- faults: a private server, so the shared one stays up for other tests -------------------------
@@ -399,7 +403,7 @@ async def test_int8_two_step_layout_serves_its_own_model(own_server: TritonServe
         assert b.version_id == ref.version_id == manifest.variant_id("int8")
         assert _cos(await b.embed(batch), ref.embed_sync(batch)).min() >= 0.9999
         stats = await b.statistics()
-        assert stats["pooling"]["success_count"] > 0, "the ensemble did not go through the pooling step"
+        assert stats[b.names.pooling]["success_count"] > 0, "the ensemble did not go through the pooling step"
     finally:
         await b.close()
         await ref.close()

@@ -121,7 +121,7 @@ async def test_tls_client_with_key_embeds(hs: Settings, server: TritonServer, on
         cos = np.sum(got * want, axis=1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
         assert cos.min() >= 0.9999
         # Statistics are the operator's: this client holds the operator key, so they answer.
-        assert (await backend.statistics())["embedder"]["inference_count"] >= 1
+        assert (await backend.statistics())[backend.model_name]["inference_count"] >= 1
     finally:
         await backend.close()
 
@@ -196,7 +196,7 @@ async def test_client_trusting_another_ca_refuses_triton(server: TritonServer, f
     assert "handshake" in info.value.message.lower() or "certificate" in info.value.message.lower()
 
 
-def _calls(c: Any, manifest: Manifest) -> dict[str, Any]:
+def _calls(c: Any, manifest: Manifest, ensemble: str) -> dict[str, Any]:
     """One call per API group; each takes the headers to send."""
     ids = np.ones((1, 16), dtype=np.int32)
     inputs = []
@@ -205,10 +205,10 @@ def _calls(c: Any, manifest: Manifest) -> dict[str, Any]:
         inp.set_data_from_numpy(ids if name != "token_type_ids" else np.zeros_like(ids))
         inputs.append(inp)
     return {
-        "inference": lambda h: c.infer("embedder", inputs, headers=h, client_timeout=30.0),
+        "inference": lambda h: c.infer(ensemble, inputs, headers=h, client_timeout=30.0),
         "health": lambda h: c.is_server_ready(headers=h, client_timeout=10.0),
-        "metadata": lambda h: c.get_model_metadata("embedder", headers=h, client_timeout=10.0),
-        "model-config": lambda h: c.get_model_config("embedder", headers=h, client_timeout=10.0),
+        "metadata": lambda h: c.get_model_metadata(ensemble, headers=h, client_timeout=10.0),
+        "model-config": lambda h: c.get_model_config(ensemble, headers=h, client_timeout=10.0),
         "logging": lambda h: c.get_log_settings(headers=h, client_timeout=10.0),
         "shared-memory": lambda h: c.get_system_shared_memory_status(headers=h, client_timeout=10.0),
         "model-repository": lambda h: c.get_model_repository_index(headers=h, client_timeout=10.0),
@@ -228,7 +228,7 @@ def test_every_group_needs_its_key(server: TritonServer, pool: PoolFiles, manife
     swapped = {GRPC_HEADER_PREFIX + OPERATOR_KEY_NAME: key}  # the sidecar's key in the operator's header
     c = _tls_client(server, pool)
     try:
-        calls = _calls(c, manifest)
+        calls = _calls(c, manifest, server.ensembles[0])
         for group, call in calls.items():
             with pytest.raises(InferenceServerException, match=RESTRICTED):
                 call(None)  # TLS with a valid client certificate, but no key header
@@ -251,8 +251,8 @@ def test_repository_load_and_unload_refused(server: TritonServer, pool: PoolFile
     c = _tls_client(server, pool)
     try:
         calls: list[Callable[[dict[str, str] | None], Any]] = [
-            lambda h: c.load_model("embedder", headers=h, client_timeout=30.0),
-            lambda h: c.unload_model("embedder", headers=h, client_timeout=30.0)]
+            lambda h: c.load_model(server.ensembles[0], headers=h, client_timeout=30.0),
+            lambda h: c.unload_model(server.ensembles[0], headers=h, client_timeout=30.0)]
         for call in calls:
             with pytest.raises(InferenceServerException, match=RESTRICTED):
                 call(None)
@@ -281,8 +281,9 @@ def test_http_on_loopback_with_the_same_groups(server: TritonServer, pool: PoolF
     assert _http(server, "GET", "/v2/health/ready") == 200  # the container healthcheck, no secret
     body = b'{"inputs":[{"name":"input_ids","shape":[1,16],"datatype":"INT32","data":[' + b",".join(
         [b"1"] * 16) + b"]}]}"
-    for path, method, data, mine in (("/v2/models/embedder/infer", "POST", body, {CLIENT_KEY_NAME: key}),
-                                     ("/v2/models/embedder", "GET", None, {CLIENT_KEY_NAME: key}),
+    model = f"/v2/models/{server.ensembles[0]}"
+    for path, method, data, mine in ((f"{model}/infer", "POST", body, {CLIENT_KEY_NAME: key}),
+                                     (model, "GET", None, {CLIENT_KEY_NAME: key}),
                                      ("/v2/logging", "GET", None, {OPERATOR_KEY_NAME: op}),
                                      ("/v2/models/stats", "GET", None, {OPERATOR_KEY_NAME: op}),
                                      ("/v2/trace/setting", "GET", None, {OPERATOR_KEY_NAME: op}),
@@ -290,9 +291,9 @@ def test_http_on_loopback_with_the_same_groups(server: TritonServer, pool: PoolF
                                      ("/v2/repository/index", "POST", b"{}", {OPERATOR_KEY_NAME: op})):
         refused = _http(server, method, path, body=data)
         assert refused in (401, 403), (path, refused)
-        if path != "/v2/models/embedder/infer":  # inference over HTTP needs every input: the key is what counts
+        if path != f"{model}/infer":  # inference over HTTP needs every input: the key is what counts
             assert _http(server, method, path, headers=mine, body=data) == 200, path
-    assert _http(server, "POST", "/v2/repository/models/embedder/unload", headers={OPERATOR_KEY_NAME: op},
+    assert _http(server, "POST", f"/v2/repository/models/{server.ensembles[0]}/unload", headers={OPERATOR_KEY_NAME: op},
                  body=b"{}") != 200
     _still_serving(server)
 
@@ -369,6 +370,7 @@ def test_compose_triton_command_serves_hardened(settings: Settings, model_dir: P
     yaml: Any = importlib.import_module("yaml")  # untyped, as in tests/test_compose.py
     from inference.manifest import load_manifest
     from inference.triton.launcher import assemble_backend_dir, pytriton_root
+    from inference.triton.names import served_names
     from inference.triton.repository import generate_repository
 
     require_triton()
@@ -378,8 +380,9 @@ def test_compose_triton_command_serves_hardened(settings: Settings, model_dir: P
     binary = pytriton_root()
     assert binary is not None
     s = settings.with_section("triton", repo_dir=tmp_path / "repo", backend_dir=tmp_path / "backends")
-    repo = generate_repository(s, load_manifest(model_dir), model_dir, target="cpu", variant="fp32",
-                               out_dir=tmp_path / "repo-cpu-fp32")
+    manifest = load_manifest(model_dir)
+    repo = generate_repository(s, manifest, model_dir, target="cpu", variant="fp32", out_dir=tmp_path / "repo-cpu-fp32")
+    ensemble = served_names(manifest, "fp32").ensemble
     ports = {p: free_port() for p in ("8001", "8000", "8002")}
     script = script.replace("exec tritonserver", f"exec {binary / 'bin' / 'tritonserver'}")
     script = script.replace("--model-repository=/repo", f"--model-repository={repo} "
@@ -403,14 +406,14 @@ def test_compose_triton_command_serves_hardened(settings: Settings, model_dir: P
         while True:
             assert proc.poll() is None, (tmp_path / "compose-triton.log").read_text()[-3000:]
             try:
-                if client.is_model_ready("embedder", headers=header, client_timeout=5.0):
+                if client.is_model_ready(ensemble, headers=header, client_timeout=5.0):
                     break
             except InferenceServerException:
                 pass
             assert time.monotonic() < deadline, "compose's tritonserver command never became ready"
             time.sleep(0.5)
         with pytest.raises(InferenceServerException, match=RESTRICTED):
-            client.is_model_ready("embedder", client_timeout=5.0)
+            client.is_model_ready(ensemble, client_timeout=5.0)
         with pytest.raises(InferenceServerException, match=RESTRICTED):
             client.get_log_settings(headers=header, client_timeout=5.0)
         with urllib.request.urlopen(f"http://127.0.0.1:{ports['8000']}/v2/health/ready", timeout=5) as r:
@@ -437,7 +440,7 @@ async def test_load_test_reads_statistics_of_a_hardened_triton(hs: Settings, ser
             got = await stats.read()
         finally:
             await stats.close()
-        assert (got is not None and "embedder" in got) == expect, credentials
+        assert (got is not None and server.ensembles[0] in got) == expect, credentials
 
 
 def test_catalog_job_embeds_through_hardened_triton(hs: Settings, tmp_path: Path, grocery_slice: Any,

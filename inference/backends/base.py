@@ -44,6 +44,10 @@ class Backend(ABC):
     def ready(self) -> bool:
         """Can serve now (started, warmed, and its server, if any, reachable)."""
 
+    def down_reason(self) -> str:
+        """Why the backend is not ready, where it knows (an error names it to callers); "" otherwise."""
+        return ""
+
     @abstractmethod
     async def close(self) -> None:
         """Release sessions/channels; idempotent."""

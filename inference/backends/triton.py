@@ -1,4 +1,10 @@
-"""Triton backend: the `embedder` ensemble over gRPC (grpc.aio + tritonclient's protocol stubs).
+"""Triton backend: the ensemble of the model version it serves, over gRPC (grpc.aio + tritonclient's stubs).
+
+It calls exactly that version's name (`embedder.<model>.<hash>`, inference/triton/names.py), at
+start, in every probe and every request: a Triton serving another version (restarted with the next
+model's repository, say) answers "unknown model", and that URL is then down like an unreachable one
+(the next URL, or the sidecar's embedded fallback, answers) instead of returning vectors of another
+model for an index built with this one.
 
 One persistent channel per URL (keep-alive, short reconnect back-off so a restarted server is
 found again within a second), requests spread round-robin over the URLs that are up; a URL that
@@ -28,6 +34,7 @@ from inference.backends.base import Backend, Embeddings
 from inference.errors import DeadlineExceeded, EmbedcarError, FailedPrecondition, Internal, InvalidInput, Unavailable
 from inference.manifest import Manifest
 from inference.tokenizer import TokenBatch
+from inference.triton.names import served_names
 from inference.triton.tls import ClientCredentials
 
 log = logging.getLogger(__name__)
@@ -44,6 +51,11 @@ DEADLINE_PARAM = "embedcar_deadline_ns"
 EXPIRED = "request timeout expired before the encoder ran"
 # Leading tokens the pooling leaves out (a prompt the model pools without): sent only when not 0.
 POOL_SKIP_PARAM = "embedcar_pool_skip"
+
+
+class VersionNotServed(Unavailable):
+    """This Triton does not serve the model version the client serves (another repository, another
+    version): that URL is down for this client, like one that does not answer."""
 
 
 class CredentialsRefused(FailedPrecondition):
@@ -78,6 +90,9 @@ def map_error(exc: Exception, url: str) -> EmbedcarError:
     # Triton rejects a request whose queue timeout expired with UNAVAILABLE: that is a deadline.
     if "DEADLINE_EXCEEDED" in status or "timeout expired" in msg.lower():
         return DeadlineExceeded(msg)
+    # Triton 2.51: NOT_FOUND "Request for unknown model: 'x' is not found" (older: UNAVAILABLE).
+    if "NOT_FOUND" in status or "unknown model" in msg.lower():
+        return VersionNotServed(msg)
     if "UNAVAILABLE" in status or "CANCELLED" in status:
         return Unavailable(msg)
     if "INVALID_ARGUMENT" in status:
@@ -114,7 +129,7 @@ class TritonBackend(Backend):
     batches_itself = True  # Triton's dynamic batcher merges concurrent requests of one shape
 
     def __init__(self, urls: Sequence[str], manifest: Manifest, *, variant: str | None = None,
-                 model_name: str = "embedder", timeout_s: float = 2.0, max_batch: int = 256,
+                 model_name: str | None = None, timeout_s: float = 2.0, max_batch: int = 256,
                  probe_interval_s: float = 0.5, credentials: ClientCredentials | None = None) -> None:
         if not urls:
             raise InvalidInput("TritonBackend needs at least one URL")
@@ -124,7 +139,9 @@ class TritonBackend(Backend):
         self.version_id = manifest.variant_id(self.variant_name)
         self.dim = manifest.dim
         self.max_batch = max_batch
-        self.model_name = model_name
+        # The served version's own ensemble; `model_name` only for a repository written by hand.
+        self.names = served_names(manifest, self.variant_name)
+        self.model_name = model_name or self.names.ensemble
         self.timeout_s = timeout_s
         self.probe_interval_s = probe_interval_s
         # Hardened pool: TLS channels, and the key header on every call (the operator's on statistics).
@@ -173,6 +190,9 @@ class TritonBackend(Backend):
         if refused:
             raise CredentialsRefused("; ".join(e.message for e in refused))
         live = [ep for ep in self._endpoints if ep.up]
+        if not live and all(isinstance(ep.error, VersionNotServed) for ep in self._endpoints):
+            # Every server answers, none with this version: a configuration to fix, not an outage.
+            raise FailedPrecondition("; ".join(ep.error.message for ep in self._endpoints if ep.error))
         if not live:
             why = "; ".join(ep.error.message for ep in self._endpoints if ep.error is not None)
             raise Unavailable(f"no Triton server ready at {', '.join(self.urls)}" + (f" ({why})" if why else ""))
@@ -192,6 +212,35 @@ class TritonBackend(Backend):
         await self._warm_up()
         if self._probe_task is None:
             self._probe_task = asyncio.create_task(self._probe_loop(), name="triton-probe")
+
+    async def _not_served(self, ep: _Endpoint, detail: str) -> VersionNotServed:
+        """The error naming what this client expects and, where Triton lets us list it, what it serves."""
+        from tritonclient.grpc import service_pb2 as pb
+
+        have = ""
+        with contextlib.suppress(Exception):  # the index is an operator-only API on a hardened pool
+            index = await ep.stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), timeout=self.timeout_s,
+                                                  metadata=self._md)
+            names = sorted(m.name for m in index.models if m.name.startswith("embedder"))
+            have = f"; it serves {', '.join([await self._described(ep, n) for n in names]) or 'no embedder model'}"
+        return VersionNotServed(f"Triton {ep.url} does not serve {self.model_name} (model version {self.version_id})"
+                                f"{have} ({detail}): generate the pool's repository with this version "
+                                "(`embedcar triton repo --models ...`), or serve the variant it has "
+                                "(model.variant, EMBEDCAR_MODEL_VARIANT)")
+
+    async def _described(self, ep: _Endpoint, model: str) -> str:
+        """`model (its variant id)` where its config records one."""
+        from tritonclient.grpc import service_pb2 as pb
+
+        from inference.triton.repository import VARIANT_ID_PARAM
+
+        with contextlib.suppress(Exception):
+            reply = await ep.stub.ModelConfig(pb.ModelConfigRequest(name=model), timeout=self.timeout_s,
+                                              metadata=self._md)
+            param = reply.config.parameters.get(VARIANT_ID_PARAM)
+            if param is not None and param.string_value:
+                return f"{model} ({param.string_value})"
+        return model
 
     async def _check_variant(self, ep: _Endpoint) -> None:
         """FailedPrecondition when Triton serves another variant than this backend's (the variant id
@@ -232,10 +281,15 @@ class TritonBackend(Backend):
             reply = await ep.stub.ModelReady(pb.ModelReadyRequest(name=self.model_name), timeout=self.timeout_s,
                                              metadata=self._md)
             ok = bool(reply.ready)
-            ep.error = None if ok else Unavailable(f"Triton {ep.url}: model {self.model_name} not ready")
+            # Not ready is also what a server answers for a model it does not have: say which, once per outage.
+            ep.error = None if ok else (
+                ep.error if isinstance(ep.error, VersionNotServed) and not ep.up
+                else await self._not_served(ep, "model not ready or not found"))
         except Exception as exc:
             ok = False
             ep.error = map_error(exc, ep.url)
+            if isinstance(ep.error, VersionNotServed):
+                ep.error = await self._not_served(ep, ep.error.message)
             if self.credentials is not None and "socket closed" in ep.error.message.lower():
                 # What a mutual-TLS Triton's refusal of our certificate looks like from here.
                 ep.error = Unavailable(f"{ep.error.message} (over TLS: Triton closes the connection when it "
@@ -245,7 +299,8 @@ class TritonBackend(Backend):
 
     def _mark(self, ep: _Endpoint, up: bool) -> None:
         if ep.up and not up:
-            log.warning("Triton %s is down; steering around it", ep.url)
+            log.warning("Triton %s is down; steering around it%s", ep.url,
+                        f" ({ep.error.message})" if isinstance(ep.error, VersionNotServed) else "")
             ep.down_since = time.monotonic()
         elif up and not ep.up and self._started:
             log.info("Triton %s is back", ep.url)
@@ -259,6 +314,9 @@ class TritonBackend(Backend):
 
     def ready(self) -> bool:
         return self._started and any(ep.up for ep in self._endpoints)
+
+    def down_reason(self) -> str:
+        return "; ".join(ep.error.message for ep in self._endpoints if not ep.up and ep.error is not None)
 
     async def close(self) -> None:
         self._started = False
@@ -322,6 +380,8 @@ class TritonBackend(Backend):
                 emb = self._embedding(await ep.stub.ModelInfer(request, timeout=timeout, metadata=self._md))
             except Exception as exc:
                 err = map_error(exc, ep.url)
+                if isinstance(err, VersionNotServed):
+                    err = ep.error = await self._not_served(ep, err.message)
                 if isinstance(err, Unavailable | CredentialsRefused):
                     self._mark(ep, False)
                     failed.append((err, exc))

@@ -26,8 +26,16 @@ def register(sub: Any) -> None:
     def common(q: argparse.ArgumentParser) -> None:
         add_flags(q, "model", ModelSettings, "models_dir", "variant")
 
-    repo = tsub.add_parser("repo", help="write the model repository (encoder, pooling, embedder ensemble)")
+    def served(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--models", action="append", default=None, metavar="NAME[,NAME...]",
+                       help="the models to serve from one repository, each as its own versioned ensemble "
+                       "(embedder.<model>.<hash>), e.g. two models, or two versions' folders during a rollout "
+                       "(repeatable; default: model.name)")
+
+    repo = tsub.add_parser("repo", help="write the model repository: per model version, encoder, pooling and "
+                           "its ensemble embedder.<model>.<hash>")
     common(repo)
+    served(repo)
     add_flags(repo, "triton", TritonSettings, "target", "repo_dir", "max_queue_delay_us", "cpu_instances")
     repo.add_argument("--project-root", type=Path, default=None,
                       help="where the project lives for the backend stub, e.g. /opt/embedcar in the container")
@@ -35,6 +43,7 @@ def register(sub: Any) -> None:
 
     serve = tsub.add_parser("serve", help="run the bundled tritonserver on the CPU repository until Ctrl-C")
     common(serve)
+    served(serve)
     add_flags(serve, "triton", TritonSettings, "grpc_port", "http_port", "metrics_port", "max_queue_delay_us",
               "cpu_instances", "host", "metrics_host", "profile", "tls_ca_file", "tls_server_cert_file",
               "tls_server_key_file", "tls_mutual", "client_key_file", "operator_key_file")
@@ -56,12 +65,23 @@ def register(sub: Any) -> None:
     eng.set_defaults(func=_build_engine, variant="fp16")
 
 
+def _model_names(args: argparse.Namespace, s: Settings) -> list[str]:
+    names = [n.strip() for raw in (args.models or ()) for n in raw.split(",") if n.strip()]
+    return names or [s.model.name]
+
+
 def _repo(args: argparse.Namespace) -> int:
-    from inference.triton.repository import generate_repository
+    from inference.triton.repository import RepoModel, generate_models
 
     s = _settings(args)
-    model_dir = s.model.model_dir
-    out = generate_repository(s, load_manifest(model_dir), model_dir, project_root=args.project_root)
+    models = []
+    for name in _model_names(args, s):
+        model_dir = s.model.models_dir / name
+        manifest = load_manifest(model_dir)
+        models.append(RepoModel(manifest, model_dir, s.model.variant or manifest.default_variant))
+    out = generate_models(s, models, project_root=args.project_root)
+    for m in models:
+        print(f"{m.names.ensemble}  ({m.names.variant_id})")
     print(out)
     return 0
 
@@ -71,12 +91,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     s = _settings(args)
     t = s.triton
-    server = TritonServer(s, grpc_port=t.grpc_port, http_port=t.http_port, metrics_port=t.metrics_port)
+    server = TritonServer(s, models=_model_names(args, s), grpc_port=t.grpc_port, http_port=t.http_port,
+                          metrics_port=t.metrics_port)
     with sigterm_as_interrupt():
         try:
             server.start()
             print(f"Triton ready: gRPC {server.grpc_url}  HTTP {server.http_url}  metrics {server.metrics_url}"
-                  f"  (log {server.log_file}; Ctrl-C to stop)", flush=True)
+                  f"  serving {', '.join(server.ensembles)}  (log {server.log_file}; Ctrl-C to stop)", flush=True)
             while server.running():
                 time.sleep(0.5)
             print(f"tritonserver exited on its own; see {server.log_file}", file=sys.stderr)

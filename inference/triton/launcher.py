@@ -5,6 +5,9 @@ Python), generates the CPU model repository, starts tritonserver in its own proc
 loopback, waits for readiness and warms every bucket. `stop()` ends the whole group, so no
 backend stub outlives the server; `kill()` is SIGKILL for fault tests.
 
+It serves `settings.model` by default, or every model `models` names (each with `variant`, or its
+own default variant), from one repository: each version under its own names (inference/triton/names.py).
+
 Start-up is ready only when this process listens on its own ports and answers over HTTP and gRPC:
 a port taken by someone else between choosing and binding (or a foreign server answering on it)
 is a bind failure, retried on fresh ports when the ports were chosen here, named when given.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.util
 import logging
 import os
@@ -42,7 +46,7 @@ import numpy as np
 from inference.errors import ModelError, Unavailable
 from inference.manifest import Manifest, load_manifest
 from inference.settings import Settings
-from inference.triton.repository import ENSEMBLE, generate_repository, stub_sys_path
+from inference.triton.repository import RepoModel, generate_models, stub_sys_path
 from inference.triton.tls import ServerFlags, hardened, read_key, server_flags
 
 log = logging.getLogger(__name__)
@@ -208,12 +212,14 @@ class TritonServer:
 
     start_attempts = 3  # bind failures retried on fresh ports (automatic ports only)
 
-    def __init__(self, settings: Settings, *, variant: str | None = None, grpc_port: int | None = None,
-                 http_port: int | None = None, metrics_port: int | None = None,
+    def __init__(self, settings: Settings, *, variant: str | None = None, models: Sequence[str] = (),
+                 grpc_port: int | None = None, http_port: int | None = None, metrics_port: int | None = None,
                  log_file: Path | None = None, extra_args: Sequence[str] = ()) -> None:
         self.settings = settings
         self.extra_args = list(extra_args)  # more tritonserver flags, e.g. tracing for a benchmark
-        self.variant = variant or settings.model.served_variant()
+        self.variant = variant or settings.model.variant  # "" = each model's own default
+        self.model_names = tuple(models) or (settings.model.name,)
+        self.served: list[RepoModel] = []  # read at start() (a restart serves the manifests of then)
         t = settings.triton
         self.host = t.host
         # Hardened: HTTP only on loopback (the healthcheck), metrics where the operator says (loopback by default).
@@ -260,7 +266,7 @@ class TritonServer:
         return self._proc is not None and self._proc.poll() is None
 
     def answers(self, timeout_s: float = 10.0) -> bool:
-        """The process is alive and says over its own gRPC port that it and the ensemble are ready."""
+        """The process is alive and says over its own gRPC port that it and every ensemble are ready."""
         if not self.running():
             return False
         from tritonclient.utils import InferenceServerException
@@ -268,11 +274,25 @@ class TritonServer:
         client, headers = self.grpc_client()
         try:
             return bool(client.is_server_ready(headers=headers, client_timeout=timeout_s)
-                        and client.is_model_ready(ENSEMBLE, headers=headers, client_timeout=timeout_s))
+                        and all(client.is_model_ready(e, headers=headers, client_timeout=timeout_s)
+                                for e in self.ensembles))
         except InferenceServerException:
             return False
         finally:
             client.close()
+
+    @property
+    def ensembles(self) -> list[str]:
+        """The ensemble names this server serves (known once started)."""
+        return [m.names.ensemble for m in self.served]
+
+    def _models(self) -> list[RepoModel]:
+        out = []
+        for name in self.model_names:
+            model_dir = self.settings.model.models_dir / name
+            manifest = load_manifest(model_dir)
+            out.append(RepoModel(manifest, model_dir, self.variant or manifest.default_variant))
+        return out
 
     def ensure_running(self) -> Self:
         """Restart a server that died or stopped answering (a shared test server, a supervisor)."""
@@ -355,12 +375,13 @@ class TritonServer:
             return self
         # Every certificate, key and key file checked before anything starts (named if wrong).
         self._flags = server_flags(self.settings.triton) if self.hardened else None
-        model_dir = self.settings.model.model_dir
-        manifest = load_manifest(model_dir)
-        # One folder per variant: servers of different variants may start side by side from one checkout.
+        self.served = self._models()
+        # One folder per set of versions: servers of other models or versions may start side by side
+        # from one checkout without removing each other's models.
         repo_dir = self.settings.triton.repo_dir
-        self.repo = generate_repository(self.settings, manifest, model_dir, target="cpu", variant=self.variant,
-                                        out_dir=repo_dir.with_name(f"{repo_dir.name}-cpu-{self.variant}"))
+        key = hashlib.sha256(" ".join(self.ensembles).encode()).hexdigest()[:10]
+        self.repo = generate_models(self.settings, self.served, target="cpu",
+                                    out_dir=repo_dir.with_name(f"{repo_dir.name}-cpu-{key}"))
         auto = [k for k in self._port_kinds() if k not in self.given_ports]
         attempts = max(1, self.start_attempts) if auto else 1
         # A restart keeps its ports (clients know them) unless one of them has been taken since.
@@ -372,7 +393,7 @@ class TritonServer:
             try:
                 self._launch()
                 self._wait_ready(self.settings.triton.startup_timeout_s)
-                self.warm_up(manifest)
+                self.warm_up()
                 if not self.running():
                     raise Unavailable(f"tritonserver exited after warm-up; last log lines:\n{self.log_tail()}")
             except BindFailure as exc:
@@ -443,7 +464,7 @@ class TritonServer:
         return Unavailable(f"tritonserver exited during start-up; last log lines:\n{self.log_tail()}")
 
     def _wait_ready(self, timeout_s: float) -> None:
-        """Ready = alive, every port ours, HTTP ready and gRPC ServerReady + ModelReady(ensemble)."""
+        """Ready = alive, every port ours, HTTP ready and gRPC ServerReady + ModelReady(every ensemble)."""
         from tritonclient.utils import InferenceServerException
 
         deadline = time.monotonic() + timeout_s
@@ -462,7 +483,8 @@ class TritonServer:
                 if self._http_ready(url) and self._owns_ports():
                     with contextlib.suppress(InferenceServerException):
                         if client.is_server_ready(headers=headers, client_timeout=5.0) and \
-                                client.is_model_ready(ENSEMBLE, headers=headers, client_timeout=5.0):
+                                all(client.is_model_ready(e, headers=headers, client_timeout=5.0)
+                                    for e in self.ensembles):
                             return
                 time.sleep(0.1)
         finally:
@@ -475,29 +497,33 @@ class TritonServer:
             return bool(r.status == 200)
         return False
 
-    def warm_up(self, manifest: Manifest | None = None) -> None:
-        """One request per bucket (batch 1 and 2): ORT and the stubs set up each shape before traffic."""
-        import tritonclient.grpc as grpcclient
-
-        m = manifest or load_manifest(self.settings.model.model_dir)
+    def warm_up(self) -> None:
+        """One request per model and bucket (batch 1 and 2): ORT and the stubs set up each shape first."""
         client, headers = self.grpc_client()
         try:
-            for n in m.buckets:
-                for b in (1, 2):
-                    ids = np.full((b, n), m.pad_id, dtype=np.int32)
-                    ids[:, 0] = m.special_ids[0] if m.special_ids else 1
-                    inputs = []
-                    for name in m.inputs:
-                        arr = ids if name == "input_ids" else (
-                            np.ones_like(ids) if name == "attention_mask" else np.zeros_like(ids))
-                        inp = grpcclient.InferInput(name, list(arr.shape), "INT32")
-                        inp.set_data_from_numpy(arr)
-                        inputs.append(inp)
-                    client.infer(ENSEMBLE, inputs, headers=headers, client_timeout=60.0)
+            for served in self.served:
+                self._warm_model(client, headers, served.manifest, served.names.ensemble)
         except Exception as exc:
             raise ModelError(f"Triton warm-up failed: {exc}; log tail:\n{self.log_tail()}") from exc
         finally:
             client.close()
+
+    @staticmethod
+    def _warm_model(client: Any, headers: dict[str, str] | None, m: Manifest, ensemble: str) -> None:
+        import tritonclient.grpc as grpcclient
+
+        for n in m.buckets:
+            for b in (1, 2):
+                ids = np.full((b, n), m.pad_id, dtype=np.int32)
+                ids[:, 0] = m.special_ids[0] if m.special_ids else 1
+                inputs = []
+                for name in m.inputs:
+                    arr = ids if name == "input_ids" else (
+                        np.ones_like(ids) if name == "attention_mask" else np.zeros_like(ids))
+                    inp = grpcclient.InferInput(name, list(arr.shape), "INT32")
+                    inp.set_data_from_numpy(arr)
+                    inputs.append(inp)
+                client.infer(ensemble, inputs, headers=headers, client_timeout=60.0)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM (Triton unloads models and ends its stubs), then SIGKILL whatever is left in the group."""

@@ -1,4 +1,8 @@
-"""Generate the Triton model repository (encoder -> pooling, wired by the `embedder` ensemble).
+"""Generate the Triton model repository: per served model version, encoder -> pooling wired by an ensemble.
+
+Every model is named after the model and its variant id (inference/triton/names.py), so one
+repository can hold several models, or the old and the new version of one during a rollout, and a
+client calling the version it serves never reaches another one.
 
 Configs are built as Triton's own `ModelConfig` protobuf (shipped in tritonclient) and written
 as text, so a field that Triton does not know cannot be produced; `load_config` parses a written
@@ -17,9 +21,11 @@ Targets:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,13 +38,16 @@ from inference.head import head_params
 from inference.manifest import Manifest
 from inference.runtimes import runtime_of
 from inference.settings import Settings
+from inference.triton.names import ModelNames, served_names
 
 TARGETS = ("cpu", "gpu")
 CPU_POOLING = ("fused", "step")
-ENSEMBLE = "embedder"
 VARIANT_ID_PARAM = "variant_id"  # the ensemble's parameter naming the model variant it serves
+# The Python-backend models' code folders (inference/triton/models/<kind>/model.py).
 ENCODER = "encoder"
 POOLING = "pooling"
+# GPU repositories: one line per encoder the TensorRT step must fill (trt_engine.py --repo reads it).
+ENGINES_FILE = "ENGINES"
 HIDDEN = "last_hidden_state"
 OUTPUT = "embedding"
 PLAN_FILE = "model.plan"
@@ -126,10 +135,23 @@ def _ids_type(target: str) -> int:
     return int(mc.TYPE_INT32 if target == "cpu" else mc.TYPE_INT64)
 
 
+@dataclass(frozen=True, slots=True)
+class RepoModel:
+    """One model version to serve from a repository: its manifest, folder and served variant."""
+
+    manifest: Manifest
+    model_dir: Path
+    variant: str
+
+    @property
+    def names(self) -> ModelNames:
+        return served_names(self.manifest, self.variant)
+
+
 def encoder_config(settings: Settings, manifest: Manifest, model_dir: Path, *, target: str,
                    variant: str, sys_path: list[str]) -> mc.ModelConfig:
     t = settings.triton
-    cfg = mc.ModelConfig(name=ENCODER, max_batch_size=t.max_batch_size)
+    cfg = mc.ModelConfig(name=served_names(manifest, variant).encoder, max_batch_size=t.max_batch_size)
     for name in manifest.inputs:
         cfg.input.add(name=name, data_type=_ids_type(target), dims=[-1])
     cfg.output.add(name=HIDDEN, data_type=mc.TYPE_FP32, dims=[-1, manifest.encoder_width])
@@ -155,9 +177,10 @@ def encoder_config(settings: Settings, manifest: Manifest, model_dir: Path, *, t
     return cfg
 
 
-def pooling_config(settings: Settings, manifest: Manifest, model_dir: Path, *, target: str,
+def pooling_config(settings: Settings, manifest: Manifest, model_dir: Path, *, target: str, variant: str,
                    sys_path: list[str]) -> mc.ModelConfig:
-    cfg = mc.ModelConfig(name=POOLING, backend="python", max_batch_size=settings.triton.max_batch_size)
+    cfg = mc.ModelConfig(name=served_names(manifest, variant).pooling, backend="python",
+                         max_batch_size=settings.triton.max_batch_size)
     cfg.input.add(name=HIDDEN, data_type=mc.TYPE_FP32, dims=[-1, manifest.encoder_width])
     cfg.input.add(name="attention_mask", data_type=_ids_type(target), dims=[-1])
     if manifest.pooling == "mean_excluding_special":
@@ -172,21 +195,21 @@ def pooling_config(settings: Settings, manifest: Manifest, model_dir: Path, *, t
 
 
 def ensemble_config(settings: Settings, manifest: Manifest, *, target: str, variant: str) -> mc.ModelConfig:
-    cfg = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=settings.triton.max_batch_size)
-    # The sidecar reads this at start and refuses a Triton that serves another variant than its own:
-    # its cache keys and the index it searches are that variant's.
-    _param(cfg, VARIANT_ID_PARAM, manifest.variant_id(variant))
+    names = served_names(manifest, variant)
+    cfg = mc.ModelConfig(name=names.ensemble, platform="ensemble", max_batch_size=settings.triton.max_batch_size)
+    # The name already says the version; the full id is here for people and for the client's check.
+    _param(cfg, VARIANT_ID_PARAM, names.variant_id)
     for name in manifest.inputs:
         cfg.input.add(name=name, data_type=_ids_type(target), dims=[-1])
     cfg.output.add(name=OUTPUT, data_type=mc.TYPE_FP32, dims=[manifest.dim])
-    enc = cfg.ensemble_scheduling.step.add(model_name=ENCODER, model_version=-1)
+    enc = cfg.ensemble_scheduling.step.add(model_name=names.encoder, model_version=-1)
     for name in manifest.inputs:
         enc.input_map[name] = name
     if pooled_in_encoder(settings, target):
         enc.output_map[OUTPUT] = OUTPUT
         return cfg
     enc.output_map[HIDDEN] = "_hidden"
-    pool = cfg.ensemble_scheduling.step.add(model_name=POOLING, model_version=-1)
+    pool = cfg.ensemble_scheduling.step.add(model_name=names.pooling, model_version=-1)
     pool.input_map[HIDDEN] = "_hidden"
     pool.input_map["attention_mask"] = "attention_mask"
     if manifest.pooling == "mean_excluding_special":
@@ -220,47 +243,92 @@ def _write_if_changed(path: Path, text: str) -> bool:
 def generate_repository(settings: Settings, manifest: Manifest, model_dir: Path, *, out_dir: Path | None = None,
                         target: str | None = None, variant: str | None = None,
                         project_root: Path | None = None) -> Path:
-    """Write (or refresh) the models under `out_dir`; returns the repository path.
+    """The repository of one model version (see `generate_models`)."""
+    variant = variant or settings.model.variant or manifest.default_variant
+    return generate_models(settings, [RepoModel(manifest, model_dir, variant)], out_dir=out_dir, target=target,
+                           project_root=project_root)
 
-    `project_root` overrides where the stub finds the project (e.g. /opt/embedcar in a container);
-    its site-packages are then not added, since the container brings its own Python.
+
+def _model_configs(settings: Settings, m: RepoModel, target: str, sys_path: list[str]) -> dict[str, mc.ModelConfig]:
+    m.manifest.variant(m.variant)  # fails clearly on an unknown variant
+    names = m.names
+    configs = {names.encoder: encoder_config(settings, m.manifest, m.model_dir, target=target, variant=m.variant,
+                                             sys_path=sys_path)}
+    if not pooled_in_encoder(settings, target):
+        configs[names.pooling] = pooling_config(settings, m.manifest, m.model_dir, target=target, variant=m.variant,
+                                                sys_path=sys_path)
+    configs[names.ensemble] = ensemble_config(settings, m.manifest, target=target, variant=m.variant)
+    return configs
+
+
+def _generated_models(repo: Path) -> set[str]:
+    """Model folders this generator wrote (their config starts with its header): the ones it may remove."""
+    out = set()
+    for cfg in repo.glob("*/config.pbtxt"):
+        with contextlib.suppress(OSError), cfg.open() as f:
+            if f.read(len(HEADER)) == HEADER:
+                out.add(cfg.parent.name)
+    return out
+
+
+def generate_models(settings: Settings, models: Sequence[RepoModel], *, out_dir: Path | None = None,
+                    target: str | None = None, project_root: Path | None = None) -> Path:
+    """Write (or refresh) the models of every version in `models` under `out_dir`; returns the repository.
+
+    Models an earlier run generated for versions not in `models` are removed (a repository volume
+    reused for the next version would otherwise load the old one too). `project_root` overrides
+    where the stub finds the project (e.g. /opt/embedcar in a container); its site-packages are then
+    not added, since the container brings its own Python.
     """
     target = target or settings.triton.target
     if target not in TARGETS:
         raise InvalidInput(f"unknown Triton target {target!r}; expected cpu or gpu")
-    variant = variant or settings.model.variant or manifest.default_variant
-    if runtime_of(manifest.variant(variant).precision) != "onnxruntime":  # also fails clearly on an unknown one
-        raise ModelError(f"the {variant} variant of {manifest.name} runs on the embedded backend only (OpenVINO); "
-                         "a Triton repository serves fp32, fp16 or int8: set EMBEDCAR_MODEL_VARIANT")
+    if not models:
+        raise InvalidInput("no model to write into the Triton repository")
+    ids = [m.names.variant_id for m in models]
+    if len(set(ids)) != len(ids):
+        raise InvalidInput(f"a model version is named twice: {', '.join(ids)}")
+    for m in models:
+        if runtime_of(m.manifest.variant(m.variant).precision) != "onnxruntime":  # also fails on an unknown one
+            raise ModelError(f"the {m.variant} variant of {m.manifest.name} runs on the embedded backend only "
+                             "(OpenVINO); a Triton repository serves fp32, fp16 or int8: set EMBEDCAR_MODEL_VARIANT")
     repo = (out_dir or settings.triton.repo_dir).resolve()
     sys_path = [str(project_root)] if project_root else stub_sys_path()
     fused = pooled_in_encoder(settings, target)
-    configs = {ENCODER: encoder_config(settings, manifest, model_dir, target=target, variant=variant,
-                                       sys_path=sys_path)}
-    if not fused:
-        configs[POOLING] = pooling_config(settings, manifest, model_dir, target=target, sys_path=sys_path)
-    configs[ENSEMBLE] = ensemble_config(settings, manifest, target=target, variant=variant)
-    for name, cfg in configs.items():
-        _write_if_changed(repo / name / "config.pbtxt", render(cfg))
-        load_config(repo / name / "config.pbtxt")
-        (repo / name / "1").mkdir(parents=True, exist_ok=True)
-    for name in ((ENCODER,) if target == "cpu" else ()) + (() if fused else (POOLING,)):
-        _write_if_changed(repo / name / "1" / "model.py", (MODEL_CODE / name / "model.py").read_text())
-    if fused:
-        # An unused pooling model would still start (and idle) a stub process of its own.
-        shutil.rmtree(repo / POOLING, ignore_errors=True)
-    if target == "cpu":
-        (repo / ENCODER / "1" / PLAN_FILE).unlink(missing_ok=True)
+    written: set[str] = set()
+    engines = []
+    for m in models:
+        configs = _model_configs(settings, m, target, sys_path)
+        for name, cfg in configs.items():
+            _write_if_changed(repo / name / "config.pbtxt", render(cfg))
+            load_config(repo / name / "config.pbtxt")
+            (repo / name / "1").mkdir(parents=True, exist_ok=True)
+        written |= set(configs)
+        names = m.names
+        code = ({names.encoder: ENCODER} if target == "cpu" else {}) | ({} if fused else {names.pooling: POOLING})
+        for name, kind in code.items():
+            _write_if_changed(repo / name / "1" / "model.py", (MODEL_CODE / kind / "model.py").read_text())
+        if target == "cpu":
+            (repo / names.encoder / "1" / PLAN_FILE).unlink(missing_ok=True)
+        else:
+            (repo / names.encoder / "1" / "model.py").unlink(missing_ok=True)
+            engines.append("\t".join((names.encoder, m.model_dir.name, m.manifest.variant(m.variant).file,
+                                      ",".join(m.manifest.inputs))))
+    # Also an unused pooling model of a fused layout: it would still start (and idle) a stub process.
+    for stale in _generated_models(repo) - written:
+        shutil.rmtree(repo / stale, ignore_errors=True)
+    _write_if_changed(repo / "TARGET", f"{target} {' '.join(ids)}\n")
+    if engines:
+        _write_if_changed(repo / ENGINES_FILE, "\n".join(engines) + "\n")
     else:
-        (repo / ENCODER / "1" / "model.py").unlink(missing_ok=True)
-    _write_if_changed(repo / "TARGET", f"{target} {manifest.variant_id(variant)}\n")
+        (repo / ENGINES_FILE).unlink(missing_ok=True)
     return repo
 
 
-def repository_target(repo: Path) -> tuple[str, str] | None:
-    """(target, variant id) a repository was generated for, or None if there is none."""
+def repository_target(repo: Path) -> tuple[str, tuple[str, ...]] | None:
+    """(target, variant ids) a repository was generated for, or None if there is none."""
     marker = repo / "TARGET"
     if not marker.exists():
         return None
-    target, _, vid = marker.read_text().strip().partition(" ")
-    return target, vid
+    target, *ids = marker.read_text().split()
+    return target, tuple(ids)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from inference.triton.names import is_ensemble
+
 WHOLE = "whole request in the server"
 # (label, from timestamp, to timestamp), per model trace; missing pairs are skipped.
 PHASES = {
@@ -51,10 +53,11 @@ def load_traces(path: Path) -> list[dict[str, object]]:
     return list(by_id.values())
 
 
-def phase_table(path: Path, *, ensemble: str, window_ns: tuple[int, int] | None = None
+def phase_table(path: Path, *, ensemble: str | None = None, window_ns: tuple[int, int] | None = None
                 ) -> dict[str, dict[str, tuple[float, float]]]:
     """model -> phase -> (P50 µs, P95 µs); `window_ns` keeps requests that started inside it
-    (Triton stamps with the monotonic clock, the same as time.monotonic_ns())."""
+    (Triton stamps with the monotonic clock, the same as time.monotonic_ns()). The ensembles are
+    `ensemble`, or without it every model named like ours (`embedder.<model>.<hash>`)."""
     samples: dict[str, dict[str, list[float]]] = {}
     for rec in load_traces(path):
         ts = rec["ts"]
@@ -63,7 +66,8 @@ def phase_table(path: Path, *, ensemble: str, window_ns: tuple[int, int] | None 
         start = ts.get("REQUEST_START")
         if window_ns is not None and (start is None or not window_ns[0] <= start <= window_ns[1]):
             continue
-        for label, a, b in PHASES["ensemble" if model == ensemble else "model"]:
+        whole = model == ensemble if ensemble is not None else is_ensemble(model)
+        for label, a, b in PHASES["ensemble" if whole else "model"]:
             if a in ts and b in ts:
                 samples.setdefault(model, {}).setdefault(label, []).append((ts[b] - ts[a]) / 1e3)
     return {m: {label: (float(np.percentile(v, 50)), float(np.percentile(v, 95))) for label, v in phases.items()}

@@ -4,9 +4,13 @@ The engine is cached under a key of ONNX checksum + TensorRT version + GPU name:
 reuses it, a model, TensorRT or GPU change rebuilds it (an engine is only valid for the exact
 TensorRT build and GPU it was made on). Nothing is built at inference time.
 
-Standard library only, so the Triton container's entrypoint can run this file as a script:
+Standard library only, so the Triton container's entrypoint can run this file as a script. Every
+encoder of a GPU repository (one per model version, named encoder.<model>.<hash>) from the list the
+repository generator wrote beside them (ENGINES: encoder folder, model folder, ONNX file, inputs):
+    python3 trt_engine.py --repo /repo --models-dir /models --cache-dir /engines
+or one engine, installed where it is told:
     python3 trt_engine.py --onnx /models/.../model.fp16.onnx --cache-dir /engines \
-        --install /repo/encoder/1/model.plan
+        --install /repo/encoder.<model>.<hash>/1/model.plan
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 
 DEFAULT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 PLAN = "model.plan"
+ENGINES_FILE = "ENGINES"  # written by inference/triton/repository.py (this file imports nothing of ours)
 
 
 class EngineBuildError(RuntimeError):
@@ -139,22 +144,68 @@ def install(engine: Path, target: Path) -> None:
     tmp.replace(target)
 
 
+@dataclass(frozen=True, slots=True)
+class RepoEngine:
+    """One encoder of a GPU repository: where its plan goes and the ONNX it is built from."""
+
+    encoder: str
+    model: str
+    onnx_file: str
+    inputs: tuple[str, ...]
+
+
+def repository_engines(repo: Path) -> list[RepoEngine]:
+    """The encoders a GPU repository lists (its ENGINES file); an error naming the file if it has none."""
+    path = repo / ENGINES_FILE
+    try:
+        lines = [line.split("\t") for line in path.read_text().splitlines() if line.strip()]
+    except OSError as exc:
+        raise EngineBuildError(f"no {path}: generate the GPU repository first (embedcar triton repo --target gpu)") \
+            from exc
+    bad = [line for line in lines if len(line) != 4]
+    if bad or not lines:
+        raise EngineBuildError(f"{path} does not list encoders as 'encoder, model, onnx file, inputs' lines")
+    return [RepoEngine(enc, model, onnx, tuple(inputs.split(","))) for enc, model, onnx, inputs in lines]
+
+
+def install_repository(repo: Path, models_dir: Path, cache_dir: Path, *, trtexec: str = "trtexec",
+                       gpu: str | None = None, trt_version: str | None = None) -> list[Path]:
+    """Build (or reuse) and install the plan of every encoder the repository lists."""
+    out = []
+    for e in repository_engines(repo):
+        engine = build_engine(models_dir / e.model / e.onnx_file, cache_dir, inputs=e.inputs, trtexec=trtexec,
+                              gpu=gpu, trt_version=trt_version, log=False)
+        install(engine, repo / e.encoder / "1" / PLAN)
+        out.append(engine)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--onnx", type=Path, required=True)
+    p.add_argument("--repo", type=Path, default=None, help="a GPU repository: build and install every encoder "
+                   "it lists (with --models-dir)")
+    p.add_argument("--models-dir", type=Path, default=None, help="the prepared models' folder (with --repo)")
+    p.add_argument("--onnx", type=Path, default=None, help="one ONNX encoder (instead of --repo)")
     p.add_argument("--cache-dir", type=Path, required=True)
-    p.add_argument("--install", type=Path, default=None, help="copy the engine here (repo/encoder/1/model.plan)")
+    p.add_argument("--install", type=Path, default=None,
+                   help="copy the engine here (repo/encoder.<model>.<hash>/1/model.plan)")
     p.add_argument("--inputs", default=",".join(DEFAULT_INPUTS))
     p.add_argument("--trtexec", default=shutil.which("trtexec") or "/usr/src/tensorrt/bin/trtexec")
     args = p.parse_args(argv)
+    if (args.repo is None) == (args.onnx is None) or (args.repo is not None and args.models_dir is None):
+        p.error("give --repo with --models-dir, or --onnx")
     try:
-        engine = build_engine(args.onnx, args.cache_dir, inputs=args.inputs.split(","), trtexec=args.trtexec)
+        if args.repo is not None:
+            engines = install_repository(args.repo, args.models_dir, args.cache_dir, trtexec=args.trtexec)
+        else:
+            engines = [build_engine(args.onnx, args.cache_dir, inputs=args.inputs.split(","), trtexec=args.trtexec)]
+            if args.install:
+                install(engines[0], args.install)
     except EngineBuildError as exc:
         print(f"trt_engine: {exc}", file=sys.stderr)
         return 2
-    if args.install:
-        install(engine, args.install)
-    print(engine)
+    for engine in engines:
+        print(engine)
     return 0
 
 

@@ -32,7 +32,8 @@ from inference.manifest import Manifest, load_manifest
 from inference.settings import Settings
 from inference.tokenizer import TokenBatch
 from inference.triton.launcher import TritonServer, triton_unavailable_reason
-from inference.triton.repository import ENSEMBLE, cpu_sizing
+from inference.triton.names import is_ensemble
+from inference.triton.repository import cpu_sizing
 from inference.triton.trace import WHOLE, phase_table, trace_args
 from loadtest.bench.triton_shm import SharedMemoryCaller
 
@@ -96,7 +97,8 @@ class BenchReport:
                 for model, phases in traced.items():
                     for phase, (mid, tail) in phases.items():
                         lines.append(f"| {shape} | {model} | {phase} | {mid:.0f} | {tail:.0f} |")
-                tri, whole = by.get((shape, "triton ensemble")), traced.get(ENSEMBLE, {}).get(WHOLE)
+                ens = next((p for m, p in traced.items() if is_ensemble(m)), {})
+                tri, whole = by.get((shape, "triton ensemble")), ens.get(WHOLE)
                 if tri is not None and whole is not None:
                     lines.append(f"| {shape} | client | gRPC client + loopback (end to end - server, P50) | "
                                  f"{tri.p50_ms * 1000 - whole[0]:.0f} | |")
@@ -158,7 +160,7 @@ async def run(settings: Settings, url: str, *, shapes: Sequence[tuple[int, int]]
     extra: dict[str, TritonBackend | SharedMemoryCaller] = {
         name: TritonBackend([u], manifest, variant=variant, timeout_s=10.0) for name, u in (others or {}).items()}
     if shm:
-        extra[SHM_PATH] = SharedMemoryCaller(url, manifest)
+        extra[SHM_PATH] = SharedMemoryCaller(url, manifest, variant=variant)
     for backend in extra.values():
         await backend.start()
     if shm:
@@ -248,7 +250,7 @@ def bench(settings: Settings, *, url: str | None, shapes: Sequence[tuple[int, in
 def add_trace(report: BenchReport, trace_file: Path) -> None:
     """Per shape, the phases of the traced server's requests (read after the server stopped)."""
     for shape, window in report.windows_ns.items():
-        report.phases_us[shape] = phase_table(trace_file, ensemble=ENSEMBLE, window_ns=window)
+        report.phases_us[shape] = phase_table(trace_file, window_ns=window)
 
 
 def save_json(report: BenchReport, path: Path) -> None:

@@ -18,7 +18,7 @@ from inference.backends.triton import ID_TYPES, OUTPUT, map_error, wire_inputs
 from inference.errors import Internal, InvalidInput
 from inference.manifest import Manifest
 from inference.tokenizer import TokenBatch
-from inference.triton.repository import ENSEMBLE
+from inference.triton.names import served_names
 
 
 class SharedMemoryCaller:
@@ -26,11 +26,12 @@ class SharedMemoryCaller:
     one call at a time (the bench's single queries)."""
 
     def __init__(self, url: str, manifest: Manifest, *, max_rows: int = 32, max_tokens: int = 256,
-                 timeout_s: float = 10.0) -> None:
+                 variant: str | None = None, timeout_s: float = 10.0) -> None:
         self.url = url
         self.manifest = manifest
         self.timeout_s = timeout_s
         self.max_rows, self.max_tokens = max_rows, max_tokens
+        self.model_name = served_names(manifest, variant).ensemble  # the version this caller serves
         self.name = f"embedcar-bench-{os.getpid()}"
         self._input_bytes = max_rows * max_tokens * 8 * len(manifest.inputs)  # int64 at most
         self._size = self._input_bytes + max_rows * manifest.dim * 4
@@ -48,7 +49,7 @@ class SharedMemoryCaller:
         self._channel = grpc.aio.insecure_channel(self.url)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         try:
-            meta = await self._stub.ModelMetadata(pb.ModelMetadataRequest(name=ENSEMBLE), timeout=self.timeout_s)
+            meta = await self._stub.ModelMetadata(pb.ModelMetadataRequest(name=self.model_name), timeout=self.timeout_s)
             self._types = {i.name: ID_TYPES.get(i.datatype, np.int64) for i in meta.inputs}
             self._handle = shm.create_shared_memory_region(self.name, f"/{self.name}", self._size)
             await self._stub.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(
@@ -64,9 +65,9 @@ class SharedMemoryCaller:
         b, n = batch.shape
         if b > self.max_rows or n > self.max_tokens:
             raise InvalidInput(f"batch {batch.shape} is over the region's {self.max_rows} x {self.max_tokens}")
-        req = pb.ModelInferRequest(model_name=ENSEMBLE)
+        req = pb.ModelInferRequest(model_name=self.model_name)
         offset = 0
-        for name, datatype, arr in wire_inputs(batch, self._types, ENSEMBLE):
+        for name, datatype, arr in wire_inputs(batch, self._types, self.model_name):
             shm.set_shared_memory_region(self._handle, [arr], offset=offset)
             t = req.inputs.add(name=name, datatype=datatype, shape=arr.shape)
             _place(t.parameters, self.name, arr.nbytes, offset)

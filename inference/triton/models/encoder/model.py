@@ -36,14 +36,14 @@ def config_params(args: dict[str, str]) -> dict[str, str]:
     return params
 
 
-def expired_counter() -> tuple[Any, Any]:
+def expired_counter(model: str) -> tuple[Any, Any]:
     """Triton's /metrics counter of requests answered EXPIRED, with its family (which must outlive
     it); (None, None) where the server has metrics off."""
     try:
         family = pb_utils.MetricFamily(
             name=EXPIRED_METRIC, kind=pb_utils.MetricFamily.COUNTER,
             description="Requests the encoder refused to compute: their caller's deadline passed while they queued")
-        return family, family.Metric(labels={"model": "encoder"})
+        return family, family.Metric(labels={"model": model})  # one series per encoder (model version)
     except Exception:
         return None, None
 
@@ -76,7 +76,7 @@ class TritonPythonModel:
 
         self.tensors = tensors
         self.deadline_param, self.expired, self.skip_param = DEADLINE_PARAM, EXPIRED, POOL_SKIP_PARAM
-        self.expired_family, self.expired_count = expired_counter()
+        self.expired_family, self.expired_count = expired_counter(args["model_name"])
         heap.settle()  # the stub is this model's own process: no full collection pauses its requests
 
     def _outputs(self, request: Any, feed: dict[str, Any], hidden: Any) -> list[Any]:
