@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from inference import runtimes
 from inference.errors import ModelError
 
 log = logging.getLogger(__name__)
@@ -144,17 +145,6 @@ def torch_hidden(model: Any, tokenizer_file: Path, texts: Sequence[str], inputs:
     return hidden, {k: v.numpy() for k, v in feed.items()}
 
 
-def ort_hidden(path: Path, feed: dict[str, npt.NDArray[np.int64]]) -> npt.NDArray[np.float32]:
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    wanted = {i.name for i in sess.get_inputs()}
-    out = sess.run(["last_hidden_state"], {k: v for k, v in feed.items() if k in wanted})[0]
-    return np.asarray(out, dtype=np.float32)
-
-
 def optimize_fused(graph: ExportedGraph, out: Path) -> bool:
     """ORT transformer optimizer (attention/layernorm/gelu fusion). False when nothing fused."""
     from onnxruntime.transformers import optimizer
@@ -219,7 +209,7 @@ def cosines(a: npt.NDArray[np.float32], b: npt.NDArray[np.float32]) -> npt.NDArr
 
 def hidden_diff(path: Path, ref_hidden: npt.NDArray[np.float32], feed: dict[str, npt.NDArray[np.int64]]) -> float:
     """Largest disagreement of the graph's last_hidden_state with PyTorch's over attended tokens."""
-    got = ort_hidden(path, feed)
+    got = runtimes.hidden_once(path, "fp32", feed)
     mask = feed["attention_mask"].astype(bool)
     return float(np.abs(got - ref_hidden)[mask].max())
 
@@ -280,7 +270,7 @@ def adopt_onnx(src: Path, out: Path, tokenizer_file: Path) -> tuple[Path, tuple[
     ordered = tuple(n for n in allowed if n in names)
     feed = _torch_inputs(tokenizer_file, CHECK_TEXTS[:1], ordered, 64)
     try:
-        width = ort_hidden(out, {k: v.numpy() for k, v in feed.items()}).shape[-1]
+        width = runtimes.hidden_once(out, "fp32", {k: v.numpy() for k, v in feed.items()}).shape[-1]
     except Exception as exc:  # ORT's own untyped errors for a graph it cannot run
         raise ModelError(f"{src}: ONNX Runtime cannot run it on tokens of tokenizer.json: {exc}") from exc
     return out, ordered, int(width)

@@ -65,13 +65,12 @@ class _Tok:
                               pad_id=self.pad_id, with_token_type_ids=self.with_types, prompt=prompt, pool_skip=skip)
 
 
-def _ours(path: Path, tok: _Tok, head: Head, role: str, texts: tuple[str, ...],
-          precision: str = "fp32") -> npt.NDArray[np.float32]:
+def _ours(graph: runtimes.Graph, tok: _Tok, head: Head, role: str, texts: tuple[str, ...]) -> npt.NDArray[np.float32]:
     """The served path's embeddings of `texts` as one padded batch: tokenizer (with the role's
-    prompt) -> the ONNX graph at `path` on the runtime that serves `precision` -> the head."""
+    prompt) -> `graph` (a variant on the runtime that serves it) -> the head."""
     qt = tok.for_role(role)
     batch = qt.batch(qt.encode(list(texts)).ids)
-    hidden = runtimes.hidden_once(path, precision, batch.arrays())
+    hidden = graph.hidden({k: v for k, v in batch.arrays().items() if k in graph.inputs})
     return head(hidden, batch.attention_mask, input_ids=batch.input_ids, skip=batch.pool_skip)
 
 
@@ -164,15 +163,15 @@ def build_model_dir(src: Path, out: Path, *, name: str, source: dict[str, str] |
     else:
         plain = tok.for_role("none")
         feed = {k: v for k, v in plain.batch(plain.encode(list(texts)).ids).arrays().items() if k in inputs}
-        ref_hidden = export.ort_hidden(raw.path, feed)
+        ref_hidden = runtimes.hidden_once(raw.path, "fp32", feed)
     refs, ref_name = _references(src, folder, model, raw.path, tok, head, texts, inputs, say)
 
     def figures(path: Path, precision: str) -> dict[str, float]:
         got: dict[str, float] = {}
         if precision == "fp32":
             got["max_abs_diff"] = export.hidden_diff(path, ref_hidden, feed)
-        got["min_cos"] = min(float(export.cosines(_ours(path, tok, head, r, texts, precision), refs[r]).min())
-                             for r in refs)
+        graph = runtimes.open_graph(path, precision, 0)  # once for every role
+        got["min_cos"] = min(float(export.cosines(_ours(graph, tok, head, r, texts), refs[r]).min()) for r in refs)
         return got
 
     checks: dict[str, dict[str, float]] = {}
@@ -298,7 +297,8 @@ def _references(src: Path, folder: ModelFolder, model: Any, raw: Path, tok: _Tok
     """Reference embeddings per role (the roles with a prompt, and the query role) and their name."""
     roles = sorted({"query", *folder.prompts})
     if model is None:
-        return {r: _ours(raw, tok, head, r, texts) for r in roles}, "the given ONNX graph"
+        graph = runtimes.open_graph(raw, "fp32", 0)
+        return {r: _ours(graph, tok, head, r, texts) for r in roles}, "the given ONNX graph"
     # sentence-transformers pools as its own files say: not the reference once --pooling overrides them.
     if folder.is_sentence_transformers and folder.pooling_from != "--pooling":
         st = {r: export.st_embeddings(src, texts, folder.prompts.get(r, "")) for r in roles}

@@ -34,7 +34,7 @@ from inference.backends.base import Backend, Embeddings
 from inference.errors import DeadlineExceeded, EmbedcarError, FailedPrecondition, Internal, InvalidInput, Unavailable
 from inference.manifest import Manifest
 from inference.tokenizer import TokenBatch
-from inference.triton.names import served_names
+from inference.triton.names import ENSEMBLE_PREFIX, served_names
 from inference.triton.tls import ClientCredentials
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ class TritonBackend(Backend):
         with contextlib.suppress(Exception):  # the index is an operator-only API on a hardened pool
             index = await ep.stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), timeout=self.timeout_s,
                                                   metadata=self._md)
-            names = sorted(m.name for m in index.models if m.name.startswith("embedder"))
+            names = sorted(m.name for m in index.models if m.name.startswith(ENSEMBLE_PREFIX))
             have = f"; it serves {', '.join([await self._described(ep, n) for n in names]) or 'no embedder model'}"
         return VersionNotServed(f"Triton {ep.url} does not serve {self.model_name} (model version {self.version_id})"
                                 f"{have} ({detail}): generate the pool's repository with this version "
