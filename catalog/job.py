@@ -78,7 +78,8 @@ class BuildSummary:
 
 def job_backend(settings: Settings, kind: str = "embedded") -> Backend:
     """The batch job's backend: the shared factory, with batches as large as the job sends."""
-    return make_backend(settings, kind, max_batch=max(settings.catalog.batch_size, settings.model.max_texts_per_call))
+    return make_backend(settings, kind, max_batch=max(settings.catalog.batch_size, settings.model.max_texts_per_call),
+                        batch_job=True)
 
 
 async def build(settings: Settings, spec: BuildSpec, *, backend: Backend | None = None,

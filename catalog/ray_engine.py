@@ -84,7 +84,7 @@ class ChunkActor:
                  in_flight: int) -> None:
         m = settings.model
         self._loop = asyncio.new_event_loop()  # the backends are async; an actor call is not
-        self._backend: Backend = make_backend(settings, kind, max_batch=max_batch)
+        self._backend: Backend = make_backend(settings, kind, max_batch=max_batch, batch_job=True)
         if self._backend.version_id != model_id:
             raise FailedPrecondition(f"a Ray actor's model is {self._backend.version_id}, the build's {model_id}: "
                                      "give every node the same prepared model")

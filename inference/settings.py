@@ -57,7 +57,10 @@ class ModelSettings:
         "caches and catalog indexes are per variant: a sidecar serves the newest index of its own."
     )
     intra_op_threads: int = setting(
-        0, "Embedded backend: intra-op threads (ONNX Runtime, OpenVINO for bf16); 0 = number of cores.", flag="threads")
+        0, "Embedded backend: intra-op threads (ONNX Runtime, OpenVINO for bf16). 0 = chosen: on the query "
+        "path (sidecar, one lane) a typical query is timed at load on 1 thread and on every core, and every "
+        "core is kept only if it is 25 % faster (the search node beside it keeps the rest); batch work "
+        "(the catalog job) uses every core.", flag="threads")
     forward_lanes: int = setting(
         1, "Embedded backend: forward passes that may run at once, each on intra_op_threads / lanes ORT "
         "threads. 1: every core on each query (lowest latency at light load); more: more queries per "

@@ -50,7 +50,8 @@ FALLBACK_LIBS = ("-lgrpc++", "-lgrpc", "-lgpr", "-labsl_synchronization", "-lpth
 INSTALL_HINT = "it needs g++ and gRPC's C++ library (Debian: apt-get install libgrpc++-dev)"
 API_KEY_ENV = "EMBEDCAR_LOADGEN_API_KEY"
 _RECORD = struct.Struct("<qqiI")  # send_lag_ns, latency_ns, code, body length
-# Each Python target the sender can stand in for: its gRPC method and how the calls go.
+# Each Python target the sender can stand in for (or a subclass: first match): its gRPC method and
+# how the calls go.
 _METHODS: dict[type[SidecarEmbedTarget], tuple[str, str]] = {
     SidecarStreamTarget: ("/embedcar.v1.Embedder/Stream", "stream"),
     SidecarSearchTarget: ("/embedcar.v1.Embedder/Search", "unary"),
@@ -114,11 +115,11 @@ class NativeTarget(SelfPacedTarget):
         self.name = python.name
         self.build_dir = build_dir
         self.exe: Path | None = None
-        self.method, self.mode = _METHODS[type(python)]
+        self.method, self.mode = next(m for kind, m in _METHODS.items() if isinstance(python, kind))
 
     @classmethod
     def wrap(cls, target: Target) -> NativeTarget:
-        if not isinstance(target, SidecarEmbedTarget) or type(target) not in _METHODS:
+        if not isinstance(target, SidecarEmbedTarget) or not any(isinstance(target, k) for k in _METHODS):
             raise InvalidInput(f"the native client sends the sidecar's gRPC calls to one sidecar: not {target.name} "
                                "(sidecar-embed, sidecar-stream or sidecar-search, one address)")
         return cls(target)
@@ -157,17 +158,20 @@ class NativeTarget(SelfPacedTarget):
         """A record's (outcome code, server timings, error message) as the Python target reports them."""
         if code != 0:
             err = status_error(code, body.decode("utf-8", "replace"))
+            self.python.observed(err.code, err.message, "")
             return err.code, None, err.message
         reply: Any
         if self.mode == "stream":
             stream = pb.StreamReply.FromString(body)
             if stream.WhichOneof("result") == "error":
                 err = stream_error(stream.error)
+                self.python.observed(err.code, err.message, "")
                 return err.code, None, err.message
             reply = stream.embed
         else:
             reply = (pb.SearchReply if isinstance(self.python, SidecarSearchTarget) else pb.EmbedReply).FromString(body)
         self.python.model = reply.model
+        self.python.observed("ok", "", reply.backend)
         return "ok", timings_of(reply.timings), ""
 
 

@@ -124,6 +124,10 @@ class SidecarEmbedTarget(Target):
     async def server_stats(self) -> dict[str, dict[str, int]] | None:
         return await self._stats.read() if self._stats is not None else None
 
+    def observed(self, code: str, message: str, backend: str) -> None:
+        """One outcome of a call sent for this target by another sender (loadtest.native): a
+        target that records outcomes sees those calls too. Nothing to record here."""
+
     def describe(self) -> dict[str, Any]:
         return {"target": self.name, "address": self.grpc_target, "model": self.model}
 

@@ -8,6 +8,7 @@ neighbour process), asserting the report's structure and that its figures are sa
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +102,13 @@ def test_markdown_has_one_row_per_configuration(tmp_path: Path) -> None:
 
 def test_each_embedded_configuration_states_every_lever() -> None:
     d, sc = ModelSettings(), SidecarSettings()
-    assert embedded_env("default") == {"EMBEDCAR_MODEL_ORT_SPINNING": str(d.ort_spinning).lower(),
+    assert embedded_env("default") == {"EMBEDCAR_MODEL_INTRA_OP_THREADS": str(d.intra_op_threads),
+                                       "EMBEDCAR_MODEL_ORT_SPINNING": str(d.ort_spinning).lower(),
                                        "EMBEDCAR_MODEL_PAD_MULTIPLE": str(d.pad_multiple),
                                        "EMBEDCAR_MODEL_SMALL_PASS_TOKENS": str(d.small_pass_tokens),
                                        "EMBEDCAR_SIDECAR_INLINE_FORWARD": str(sc.inline_forward).lower()}
     assert embedded_env("inline")["EMBEDCAR_SIDECAR_INLINE_FORWARD"] == "true"
+    assert embedded_env("every-core")["EMBEDCAR_MODEL_INTRA_OP_THREADS"] == str(os.cpu_count() or 1)
     before = embedded_env("before")
     assert before["EMBEDCAR_MODEL_ORT_SPINNING"] == "true" and before["EMBEDCAR_MODEL_PAD_MULTIPLE"] == "0"
 

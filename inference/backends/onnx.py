@@ -4,8 +4,11 @@ inference/runtimes.py)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import statistics
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +22,13 @@ from inference.padding import trim
 from inference.runtimes import Graph, open_graph
 from inference.tokenizer import TokenBatch
 
+log = logging.getLogger(__name__)
+# Every core is kept for a short query only where it cuts the query's time by at least this share:
+# below that, the second core is taken from the search node for little latency (docs/benchmarks.md).
+MORE_THREADS_MIN_GAIN = 0.25
+CHOICE_TOKENS = 12  # a typical shopper query, special tokens included
+CHOICE_RUNS = 25  # timed passes per setting, alternating
+
 
 class OnnxBackend(Backend):
     name = "embedded"
@@ -26,8 +36,11 @@ class OnnxBackend(Backend):
 
     def __init__(self, model_dir: Path, manifest: Manifest, *, variant: str | None = None,
                  threads: int = 0, max_batch: int = 256, spinning: bool = False, spin_us: int = 0,
-                 lanes: int = 1, pad_multiple: int = 0, small_pass_tokens: int = 0) -> None:
+                 lanes: int = 1, pad_multiple: int = 0, small_pass_tokens: int = 0,
+                 choose_threads: bool = False) -> None:
         """`threads`: ORT threads in all (0 = every core), split over `lanes` calls that may run at once.
+        `choose_threads` (with threads 0 and one lane, on a host of several cores): measured at load,
+        one thread unless every core makes a typical query at least MORE_THREADS_MIN_GAIN faster.
 
         `pad_multiple`: 0 computes each batch as given (its bucket's length); n >= 1 cuts the
         columns that are padding in every row first, keeping a multiple of n (inference.padding).
@@ -40,6 +53,8 @@ class OnnxBackend(Backend):
         self._precision = manifest.variant(self.variant_name).precision
         self.lanes = max(1, lanes)
         self.threads = max(1, (threads if threads > 0 else (os.cpu_count() or 1)) // self.lanes)  # per call
+        self._choose = choose_threads and threads <= 0 and self.lanes == 1 and self.threads > 1
+        self.thread_choice: dict[str, float] = {}  # what the choice measured: median ms per setting
         self._spinning = spinning
         self._spin_us = spin_us
         self.pad_multiple = max(0, pad_multiple)
@@ -62,21 +77,47 @@ class OnnxBackend(Backend):
         if self._sess is None:
             sess = open_graph(self._path, self._precision, self.threads, spinning=self._spinning,
                               spin_us=self._spin_us)
+            # One thread: no pool to spin (ORT runs it on the calling thread).
+            one = open_graph(self._path, self._precision, 1) if self._choose or self.small_pass_tokens else None
+            if self._choose and one is not None and self._one_thread_wins(one, sess):
+                sess, self.threads, self.small_pass_tokens = one, 1, 0
             if self.small_pass_tokens:
                 # One thread on a short query: nearly the two-thread latency at about half the CPU
                 # (no second thread to wake and join after every op).
-                self._small = open_graph(self._path, self._precision, 1)
+                self._small = one
             self._sess = sess
+
+    def _one_thread_wins(self, one: Graph, every_core: Graph) -> bool:
+        """Time a typical query on one thread and on every core (alternating, medians): one thread
+        unless every core is MORE_THREADS_MIN_GAIN faster. On a small shared host one thread is
+        often faster too: no second thread to wake and join after every op."""
+        feed = {k: v for k, v in self._query(CHOICE_TOKENS).arrays().items() if k in one.inputs}
+        times: dict[Graph, list[float]] = {one: [], every_core: []}
+        for i in range(CHOICE_RUNS + 3):
+            for graph, got in times.items():
+                t = time.perf_counter()
+                graph.hidden(feed)
+                if i >= 3:  # the first passes set the runtime up
+                    got.append((time.perf_counter() - t) * 1e3)
+        t1, tn = statistics.median(times[one]), statistics.median(times[every_core])
+        self.thread_choice = {"1": t1, str(self.threads): tn}
+        wins = tn > (1 - MORE_THREADS_MIN_GAIN) * t1
+        log.info("embedded backend on %d ORT thread(s): a %d-token query took %.2f ms on 1 thread, %.2f ms on %d",
+                 1 if wins else self.threads, CHOICE_TOKENS, t1, tn, self.threads)
+        return wins
+
+    def _query(self, n: int) -> TokenBatch:
+        """One row of `n` tokens (a special token, then padding ids under a full mask)."""
+        ids = np.full((1, n), self.manifest.pad_id, dtype=np.int64)
+        ids[0, 0] = self.manifest.special_ids[0] if self.manifest.special_ids else 1
+        types = np.zeros_like(ids) if self.manifest.has_token_type_ids else None
+        return TokenBatch(ids, np.ones((1, n), dtype=np.int64), types)
 
     def warm_up(self) -> None:
         """One forward pass per bucket and session so first requests don't pay for ORT's lazy set-up."""
         self.load()
         for n in self.manifest.buckets:
-            ids = np.full((1, n), self.manifest.pad_id, dtype=np.int64)
-            ids[0, 0] = self.manifest.special_ids[0] if self.manifest.special_ids else 1
-            mask = np.ones((1, n), dtype=np.int64)
-            types = np.zeros_like(ids) if self.manifest.has_token_type_ids else None
-            batch = TokenBatch(ids, mask, types)
+            batch = self._query(n)
             self.embed_sync(batch)
             for sess in (self._sess, self._small):  # embed_sync chose one of them for this shape
                 if sess is not None:

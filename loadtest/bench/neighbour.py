@@ -17,7 +17,8 @@ shell's EMBEDCAR_* variables do not leak into them):
                       length, ORT on 1 / all threads without spinning, pool; its CPU per query
                       from getrusage. The reference of the verdicts: its lowest CPU per query, and
                       the latency of the one with the lower P50 (the model's best thread setting)
-  default             the sidecar as shipped (model settings' defaults)
+  default             the sidecar as shipped (model settings' defaults; its ORT threads chosen at load)
+  every-core          + model.intra_op_threads=<cores>: every pass on every core, not chosen
   small-pass          + model.small_pass_tokens=64: short passes on a one-thread session
   inline              + sidecar.inline_forward=true: the forward on the event loop when nothing waits
   spinning            + model.ort_spinning=true
@@ -41,6 +42,7 @@ import dataclasses
 import datetime as dt
 import json
 import logging
+import os
 import resource
 import time
 from collections.abc import Callable, Sequence
@@ -63,9 +65,11 @@ log = logging.getLogger(__name__)
 Record = dict[str, Any]
 
 # The embedded path's levers this bench compares: ("section.field", value) per configuration.
-LEVERS = ("model.ort_spinning", "model.pad_multiple", "model.small_pass_tokens", "sidecar.inline_forward")
+LEVERS = ("model.intra_op_threads", "model.ort_spinning", "model.pad_multiple", "model.small_pass_tokens",
+          "sidecar.inline_forward")
 EMBEDDED: dict[str, dict[str, object]] = {
     "default": {},
+    "every-core": {"model.intra_op_threads": os.cpu_count() or 1},
     "small-pass": {"model.small_pass_tokens": 64},
     "inline": {"sidecar.inline_forward": True},
     "spinning": {"model.ort_spinning": True},
@@ -74,11 +78,13 @@ EMBEDDED: dict[str, dict[str, object]] = {
 }
 MODEL = {"model-1t": 1, "model-2t": 0}  # ORT threads (0 = every core)
 CONFIGS = (*MODEL, *EMBEDDED, "triton")
-DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "small-pass", "inline", "spinning", "before", "triton")
+DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "every-core", "small-pass", "inline", "spinning", "before",
+                   "triton")
 DESCRIPTIONS = {
     "model-1t": "the model alone, in-process, 1 thread, exact lengths",
     "model-2t": "the model alone, in-process, all threads, exact lengths",
     "default": "sidecar, embedded, the defaults",
+    "every-core": "sidecar, embedded, ORT on every core (the default before the threads were chosen)",
     "small-pass": "sidecar, embedded, short passes on a 1-thread session",
     "inline": "sidecar, embedded, forward on the event loop when nothing waits",
     "spinning": "sidecar, embedded, ORT threads spin",

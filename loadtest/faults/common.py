@@ -20,7 +20,7 @@ from inference.settings import TritonSettings
 from loadtest.faults.result import ScenarioResult
 from loadtest.queries import QueryMix
 from loadtest.runner import OK, RunConfig, RunResult, Sample, run_load
-from loadtest.targets import SidecarEmbedTarget, Timings
+from loadtest.targets import SidecarEmbedTarget, Target, Timings
 
 # Where a DEADLINE_EXCEEDED came from, by the sidecar's message: refused at admission (the request
 # never took backend time), or expired after it was admitted; anything else expired client-side.
@@ -40,13 +40,19 @@ class RecordingEmbedTarget(SidecarEmbedTarget):
         try:
             res = await self._client.embed(texts, timeout_s=timeout_s)
         except DeadlineExceeded as exc:
-            if any(m in exc.message for m in _REFUSED):
+            self.observed(exc.code, exc.message, "")
+            raise
+        self.observed(OK, "", res.backend)
+        return dict(res.timings_ns)
+
+    def observed(self, code: str, message: str, backend: str) -> None:
+        if code == OK:
+            self.answered[backend or "cache"] += 1
+        elif code == DeadlineExceeded.code:
+            if any(m in message for m in _REFUSED):
                 self.deadlines["refused_at_admission"] += 1
             else:
-                self.deadlines["expired_in_sidecar" if "expired" in exc.message else "expired_client_side"] += 1
-            raise
-        self.answered[res.backend or "cache"] += 1
-        return dict(res.timings_ns)
+                self.deadlines["expired_in_sidecar" if "expired" in message else "expired_client_side"] += 1
 
 
 def fresh_queries(settings: Settings, n: int, seed: int) -> list[str]:
@@ -88,7 +94,7 @@ class Phase:
         return float(np.percentile(lat, p)) if len(lat) else None
 
 
-async def load_during(target: SidecarEmbedTarget, texts: Sequence[str], config: RunConfig,
+async def load_during(target: Target, texts: Sequence[str], config: RunConfig,
                       *actions: tuple[float, Any]) -> tuple[RunResult, dict[str, float]]:
     """Run open-loop load; meanwhile call each blocking `action` (in a thread) `at` seconds after the
     measured window starts. Returns the run and, per action's __name__, when it returned (window time)."""

@@ -4,10 +4,11 @@ What a search node wants from an overloaded sidecar: the requests it accepts are
 within the SLA, the excess is refused at once (RESOURCE_EXHAUSTED / 429 + Retry-After) so the
 caller can fall back, useful throughput stays near capacity, memory stays flat, and the first
 normal call afterwards is normal. The SLA capacity is measured first, in the same run: the highest
-rate of a short step sweep whose P95 stays within 20 ms with at most 1 % errors. The sidecar's CPU
-(/proc, all threads) is read over each step: what an answered request costs at capacity, and from
-that what a refused one costs under overload (refusals in gRPC's C core, `shed`, cost far less than
-those in Python, `resource_exhausted`).
+rate of a short step sweep (from 50/s; a missed step is tried once more) whose P95 stays within 20 ms
+with at most 1 % errors. The sidecar's CPU (/proc, all threads) is read over each step: what an
+answered request costs at capacity, and from that what a refused one costs under overload
+(refusals in gRPC's C core, `shed`, cost far less than those in Python, `resource_exhausted`).
+Load comes from the compiled sender (loadtest.native) where it builds, as from a search node.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import numpy as np
 from demo_ui.settings import Settings
 from loadtest.faults.common import Phase, RecordingEmbedTarget, fmt, fresh_queries, load_during, rss_mb
 from loadtest.faults.result import ScenarioResult
+from loadtest.native import NativeTarget, native_unavailable_reason
 from loadtest.proc_cpu import cpu_s
 from loadtest.runner import OK, RunConfig, Sample, run_load
 from loadtest.stack import SidecarProcess
+from loadtest.targets import Target
 
 NAME = "overload"
 TITLE = "Overload at 2x and 5x the SLA capacity, 50 ms client deadlines (embedded backend)"
@@ -47,7 +50,7 @@ def _refusal_pct(ph: Phase, p: float) -> float | None:
     return float(np.percentile(lat, p)) if len(lat) else None
 
 
-async def _phase(target: RecordingEmbedTarget, settings: Settings, rate: float, seconds: float, seed: int,
+async def _phase(target: Target, settings: Settings, rate: float, seconds: float, seed: int,
                  warmup_s: float = 1.0, pid: int | None = None) -> tuple[Phase, float | None]:
     """The measured window's outcomes, and the sidecar's CPU ms per request over the whole run."""
     config = RunConfig(rate=rate, duration_s=seconds, warmup_s=warmup_s, deadline_ms=DEADLINE_MS, seed=seed,
@@ -83,13 +86,19 @@ def _watch_rss(pid: int | None, stop: threading.Event, out: list[float]) -> None
 
 
 async def _scenario(settings: Settings, work: Path, quick: bool) -> dict[str, Any]:
-    sweep = (100.0, 150.0) if quick else (100.0, 125.0, 150.0, 175.0, 200.0, 225.0, 250.0)
+    # From 50/s: a host that runs the model slower still gets a capacity, not 0/s.
+    sweep = (50.0, 100.0) if quick else tuple(float(r) for r in range(50, 301, 25))
     step_s, over_s = (4.0, 5.0) if quick else (8.0, 30.0)
     factors = (2.0,) if quick else GATED + REPORTED
     out: dict[str, Any] = {"sweep": {}, "overload": {}}
     with SidecarProcess(settings, backend="embedded", variant=settings.model.variant,
                         log_file=work / "sidecar-overload.log") as sc:
-        target = RecordingEmbedTarget(sc.grpc_target)
+        # The callers a sidecar serves send from compiled clients; a Python client here would spend
+        # 0.7-1 ms of the same two cores per call (loadtest.native) and be measured as the sidecar's.
+        recorder = RecordingEmbedTarget(sc.grpc_target)
+        why = native_unavailable_reason()
+        target: Target = recorder if why else NativeTarget(recorder)
+        out["client"] = f"python ({why})" if why else "native"
         await target.start()
         try:
             unloaded, _ = await _phase(target, settings, 20.0, 4.0 if quick else 10.0, seed=20)
@@ -97,11 +106,16 @@ async def _scenario(settings: Settings, work: Path, quick: bool) -> dict[str, An
                                "codes": unloaded.codes}
             capacity, answered_cpu_ms = 0.0, None
             for i, rate in enumerate(sweep):
-                ph, cpu_ms = await _phase(target, settings, rate, step_s, seed=30 + i, pid=sc.pid)
-                p95 = ph.pct(95)
-                ok = p95 is not None and p95 <= SLA_MS and ph.failed <= 0.01 * ph.n
-                out["sweep"][f"{rate:g}"] = {"p95_ms": p95, "codes": ph.codes, "meets_sla": ok,
-                                             "sidecar_cpu_ms_per_request": cpu_ms}
+                # A step that misses is run once more before the sweep ends: one VM stall in a short
+                # step must not set the capacity every overload gate is measured against.
+                for attempt in range(2):
+                    ph, cpu_ms = await _phase(target, settings, rate, step_s, seed=30 + 2 * i + attempt, pid=sc.pid)
+                    p95 = ph.pct(95)
+                    ok = p95 is not None and p95 <= SLA_MS and ph.failed <= 0.01 * ph.n
+                    out["sweep"][f"{rate:g}" + ("" if attempt == 0 else " (again)")] = {
+                        "p95_ms": p95, "codes": ph.codes, "meets_sla": ok, "sidecar_cpu_ms_per_request": cpu_ms}
+                    if ok:
+                        break
                 if not ok:
                     break
                 capacity, answered_cpu_ms = rate, cpu_ms
@@ -122,7 +136,7 @@ async def _scenario(settings: Settings, work: Path, quick: bool) -> dict[str, An
                 config = RunConfig(rate=rate, duration_s=over_s, warmup_s=1.0, deadline_ms=DEADLINE_MS,
                                    seed=40 + j, concurrency=4096, spin_ms=0.0)
                 texts = fresh_queries(settings, config.requests, 40 + j)
-                target.deadlines.clear()
+                recorder.deadlines.clear()
                 pid = sc.pid or 0  # started: it has one
                 c0 = cpu_s(pid)
                 result, _ = await load_during(target, texts, config, (over_s / 2, probe_retry_after))
@@ -132,7 +146,7 @@ async def _scenario(settings: Settings, work: Path, quick: bool) -> dict[str, An
                 ph = Phase.of(result)
                 # Refused = RESOURCE_EXHAUSTED or a deadline the sidecar saw it could not meet, before any
                 # backend time was spent; everything else was admitted (client-side expiries included).
-                refused_deadline = target.deadlines["refused_at_admission"]
+                refused_deadline = recorder.deadlines["refused_at_admission"]
                 rejected = _refused(ph) + refused_deadline
                 admitted = ph.n - rejected
                 missed = ph.codes.get("deadline_exceeded", 0) - refused_deadline
@@ -140,7 +154,8 @@ async def _scenario(settings: Settings, work: Path, quick: bool) -> dict[str, An
                     "rate": rate, "requests": ph.n, "codes": ph.codes,
                     "accepted_p50_ms": ph.pct(50), "accepted_p95_ms": ph.pct(95), "accepted_p99_ms": ph.pct(99),
                     "admitted": admitted, "admitted_missed_deadline": missed,
-                    "refused_for_deadline_at_admission": refused_deadline, "deadline_failures": dict(target.deadlines),
+                    "refused_for_deadline_at_admission": refused_deadline,
+                    "deadline_failures": dict(recorder.deadlines),
                     "admitted_missed_share": missed / admitted if admitted else 0.0,
                     "goodput_per_s": ph.ok / over_s,
                     "rejected_p50_ms": _refusal_pct(ph, 50), "rejected_p95_ms": _refusal_pct(ph, 95),
