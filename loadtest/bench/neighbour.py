@@ -1,7 +1,8 @@
 """`embedcar bench neighbour`: what the sidecar costs the search node beside it, per configuration.
 
 One command, one table (neighbour.md), one JSON, one PNG. Per configuration, open loop at --rate
-(default 100 requests/s), batch 1, distinct shopper queries (no cache hit), unary gRPC Embed:
+(default 100 requests/s), batch 1, distinct shopper queries (no cache hit), unary gRPC Embed sent by
+the compiled sender (loadtest.native; the Python client where it cannot build, the report says):
 
   quiet    P50/P95 latency and the sidecar's CPU per query: utime + stime of every thread of the
            sidecar process and its children, from /proc (loadtest.proc_cpu), over the measured
@@ -260,8 +261,9 @@ async def _load(target: Any, texts: list[str], cfg: RunConfig, sla_ms: float,
 
 def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_texts: Callable[[int], list[str]],
                     neighbour: Neighbour | None) -> Record:
+    from loadtest.native import NativeTarget, native_unavailable_reason
     from loadtest.stack import SidecarProcess
-    from loadtest.targets import SidecarEmbedTarget
+    from loadtest.targets import SidecarEmbedTarget, Target
 
     variant = settings.model.variant
     logs = cfg.log_dir
@@ -297,7 +299,12 @@ def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_te
         rec["idle_core_share"] = idle["sidecar"] / cfg.idle_s if cfg.idle_s else None
 
         async def runs() -> None:
-            target = SidecarEmbedTarget(sc.grpc_target)
+            # From a compiled client, as a search node calls: a Python one would spend 0.7-1 ms of the
+            # same two cores per call (loadtest.native) and add its own latency to the sidecar's.
+            python = SidecarEmbedTarget(sc.grpc_target)
+            why = native_unavailable_reason()
+            target: Target = python if why else NativeTarget(python)
+            rec["client"] = f"python ({why})" if why else "native"
             await target.start()
             try:
                 n = int(cfg.rate * cfg.duration_s)
@@ -317,6 +324,12 @@ def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_te
 
 
 # --- the table ------------------------------------------------------------------------------------
+
+def _client(result: Record) -> str:
+    """Who sent the sidecar rows' calls: the compiled sender, or the Python client and why."""
+    clients = sorted({r["client"] for r in result.get("rows", []) if r.get("client")})
+    return f" sent by the {' / '.join(clients)} client" if clients else ""
+
 
 def reference(result: Record) -> Record:
     """The model's own figures: its lowest CPU per query, and the latency of its lower-P50 thread setting."""
@@ -394,7 +407,8 @@ def markdown(result: Record) -> str:
         f"Command: `{result.get('command', '?')}`",
         "",
         f"Open loop {cfg.get('rate', 0):g} requests/s, batch 1, distinct shopper queries (no cache hits), unary "
-        f"gRPC Embed; {cfg.get('duration_s', 0):g} s measured per window after {cfg.get('warmup_s', 0):g} s of "
+        f"gRPC Embed{_client(result)}; {cfg.get('duration_s', 0):g} s measured per window after "
+        f"{cfg.get('warmup_s', 0):g} s of "
         "warm-up. CPU per query: utime + stime of every thread of the sidecar (and its children) from /proc over "
         "the window, per request sent; cores = that CPU over the window. Beside: the same load while the "
         "neighbour (one thread of tantivy + FAISS queries over the grocery catalog) runs.",
