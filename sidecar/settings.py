@@ -48,8 +48,9 @@ class SidecarSettings:
     )
     max_pending_batches: int = setting(2, "Admission: batches allowed to wait behind the running one.")
     admission_budget_ms: float = setting(
-        10.0, "Admission: reject a request that would wait behind more than this much queued inference "
-        "(keeps accepted latency near the 20 ms SLA under overload, the excess refused at once). 0 = deadline only."
+        8.0, "Admission: reject a request that would wait behind more than this much queued inference "
+        "(keeps accepted latency within the 20 ms SLA under overload, the excess refused at once: the wait, "
+        "the pass and the transport; docs/reliability.md). 0 = deadline only."
     )
     transport_backlog: int = setting(
         16, "gRPC calls that may wait in gRPC's C core for the event loop to take them: beyond this many "

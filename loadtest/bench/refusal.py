@@ -2,6 +2,8 @@
 
 Not the sidecar: a grpc.aio server in a child process (as the sidecar runs), configured per way:
   answer    an empty handler that answers: the least a call the event loop takes costs
+  answer-sync  the same on gRPC's sync server (`grpc.server`, 4 worker threads): the other Python
+            server, for comparison (no refusal)
   handler   a handler that refuses at once with RESOURCE_EXHAUSTED and a retry hint in the trailer
             (what sidecar.shedding.Gate does before a request is parsed)
   limiter   grpc.aio's `maximum_concurrent_rpcs` with its one slot held: refused in Cython after the
@@ -23,12 +25,23 @@ from typing import Any
 
 from loadtest import proc_cpu
 
-WAYS = ("answer", "handler", "limiter", "backlog")
+WAYS = ("answer", "answer-sync", "handler", "limiter", "backlog")
 HOLD = b"hold"  # the request that takes the limiter's slot or the event loop
 
 
 def _serve(way: str, ports: Any) -> None:
     import grpc
+
+    if way == "answer-sync":
+        from concurrent import futures
+
+        sync = grpc.server(futures.ThreadPoolExecutor(4))
+        sync.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Refusal", {
+            "Call": grpc.unary_unary_rpc_method_handler(lambda raw, ctx: b"")}),))
+        ports.put(sync.add_insecure_port("127.0.0.1:0"))
+        sync.start()
+        sync.wait_for_termination()
+        return
 
     async def main() -> None:
         async def answer(raw: bytes, ctx: Any) -> bytes:
