@@ -4,12 +4,12 @@ jobs and explicit settings get what they ask for."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from inference.backends import onnx
 from inference.backends.factory import make_backend
 from inference.backends.onnx import MORE_THREADS_MIN_GAIN, OnnxBackend
 from inference.settings import Settings
@@ -18,7 +18,7 @@ from inference.settings import Settings
 @pytest.fixture
 def two_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     """A host of two cores whatever this one has (the choice is between 1 and every core)."""
-    monkeypatch.setattr(onnx.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
 
 
 def _settings(model_dir: Path, **env: str) -> Settings:
@@ -35,8 +35,9 @@ def test_query_path_keeps_every_core_only_where_it_is_faster(model_dir: Path, tw
     assert backend.threads == (2 if t2 <= (1 - MORE_THREADS_MIN_GAIN) * t1 else 1), backend.thread_choice
     # Whichever it kept, it computes what an explicit one-thread backend computes.
     pinned = make_backend(_settings(model_dir, EMBEDCAR_MODEL_INTRA_OP_THREADS="1"), "embedded")
+    assert isinstance(pinned, OnnxBackend)
     pinned.warm_up()
-    batch = backend._query(9)  # type: ignore[attr-defined]
+    batch = backend._query(9)
     np.testing.assert_allclose(backend.embed_sync(batch), pinned.embed_sync(batch), rtol=0, atol=1e-5)
 
 
