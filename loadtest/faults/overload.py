@@ -230,6 +230,7 @@ def run(settings: Settings, work: Path, *, quick: bool) -> ScenarioResult:
         res.check(f"{name}: sidecar RSS bounded", "peak <= before + 150 MiB", f"{fmt(before)} -> {fmt(peak)} MiB",
                   peak is not None and before is not None and peak <= before + 150)
         res.notes.append(_reported(name, o, cap))
+    res.notes.append(f"Load sent by the {fig.get('client', '?')} client; SLA capacity from the sweep: {cap:g}/s.")
     base = fig["unloaded"]["p50_ms"] or 0.0
     after = fig["after"]["median_ms"]
     res.check("next normal call is normal", f"median <= 2 x unloaded P50 ({base:.1f}) + 2 ms", f"{after:.1f} ms",
