@@ -208,8 +208,11 @@ async def test_the_callers_remaining_deadline_is_the_timeout_of_a_backend_that_b
                 elapsed = time.monotonic() - t0
             (got,) = probe.timeouts[n:]
             want = 45.0 if timeout is None else timeout
-            # Not more than the caller gave (a µs of gRPC's rounding), not less than it had left.
-            assert got is not None and want - elapsed <= got <= want + 1e-3, (stream, timeout, got, elapsed)
+            # Not less than it had left, and not more than the caller gave but for gRPC's own slack: a
+            # unary deadline travels as a timeout header rounded up to coarse units (100 ms between 10
+            # and 100 s), taken from the client's wall clock onto the server's monotonic one (seen:
+            # +97 ms on a freshly booted clock).
+            assert got is not None and want - elapsed <= got <= want + 0.15, (stream, timeout, got, elapsed)
 
 
 def test_deadline_passing_in_the_queue_is_never_computed(settings: Settings, probe_backend: ProbeBackend) -> None:
