@@ -103,6 +103,13 @@ def native_unavailable_reason(build_dir: Path = BUILD_DIR) -> str | None:
     return None
 
 
+def sender_for(python: SidecarEmbedTarget) -> tuple[Target, str]:
+    """The compiled sender standing in for `python` where it builds, else `python` itself; and which
+    client that is, for the report ("native", or "python (why not native)")."""
+    why = native_unavailable_reason()
+    return (python, f"python ({why})") if why else (NativeTarget(python), "native")
+
+
 class NativeTarget(SelfPacedTarget):
     """A sidecar gRPC target whose schedule the compiled sender drives.
 

@@ -261,9 +261,9 @@ async def _load(target: Any, texts: list[str], cfg: RunConfig, sla_ms: float,
 
 def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_texts: Callable[[int], list[str]],
                     neighbour: Neighbour | None) -> Record:
-    from loadtest.native import NativeTarget, native_unavailable_reason
+    from loadtest.native import sender_for
     from loadtest.stack import SidecarProcess
-    from loadtest.targets import SidecarEmbedTarget, Target
+    from loadtest.targets import SidecarEmbedTarget
 
     variant = settings.model.variant
     logs = cfg.log_dir
@@ -301,10 +301,7 @@ def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_te
         async def runs() -> None:
             # From a compiled client, as a search node calls: a Python one would spend 0.7-1 ms of the
             # same two cores per call (loadtest.native) and add its own latency to the sidecar's.
-            python = SidecarEmbedTarget(sc.grpc_target)
-            why = native_unavailable_reason()
-            target: Target = python if why else NativeTarget(python)
-            rec["client"] = f"python ({why})" if why else "native"
+            target, rec["client"] = sender_for(SidecarEmbedTarget(sc.grpc_target))
             await target.start()
             try:
                 n = int(cfg.rate * cfg.duration_s)

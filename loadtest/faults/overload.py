@@ -26,7 +26,7 @@ import numpy as np
 from demo_ui.settings import Settings
 from loadtest.faults.common import Phase, RecordingEmbedTarget, fmt, fresh_queries, load_during, rss_mb
 from loadtest.faults.result import ScenarioResult
-from loadtest.native import NativeTarget, native_unavailable_reason
+from loadtest.native import sender_for
 from loadtest.proc_cpu import cpu_s
 from loadtest.runner import OK, RunConfig, Sample, run_load
 from loadtest.stack import SidecarProcess
@@ -97,9 +97,7 @@ async def _scenario(settings: Settings, work: Path, quick: bool) -> dict[str, An
         # The callers a sidecar serves send from compiled clients; a Python client here would spend
         # 0.7-1 ms of the same two cores per call (loadtest.native) and be measured as the sidecar's.
         recorder = RecordingEmbedTarget(sc.grpc_target)
-        why = native_unavailable_reason()
-        target: Target = recorder if why else NativeTarget(recorder)
-        out["client"] = f"python ({why})" if why else "native"
+        target, out["client"] = sender_for(recorder)
         await target.start()
         try:
             unloaded, _ = await _phase(target, settings, 20.0, 4.0 if quick else 10.0, seed=20)
