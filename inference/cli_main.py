@@ -14,6 +14,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from inference.errors import EmbedcarError, ModelError
+from inference.grpc_io import prefer_polling_io
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +78,7 @@ def configure_logging(verbose: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    prefer_polling_io()  # before the subcommands import grpc (inference.grpc_io says why)
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.verbose)

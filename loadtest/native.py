@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from inference.errors import Internal, InvalidInput, Unavailable
+from inference.grpc_io import for_other_grpc
 from loadtest.runner import RunConfig, RunResult, Sample, SelfPacedTarget, settled_stats
 from loadtest.schedule import arrival_offsets, pacer_report
 from loadtest.targets import SidecarEmbedTarget, SidecarSearchTarget, SidecarStreamTarget, Target, Timings
@@ -217,7 +218,7 @@ async def send(exe: Path, address: str, method: str, mode: str, payloads: Sequen
             for off, body in zip(offsets_s, payloads, strict=True):
                 f.write(struct.pack("<QI", round(float(off) * 1e9), len(body)))
                 f.write(body)
-        env = dict(os.environ)
+        env = for_other_grpc(os.environ)
         if api_key:
             env[API_KEY_ENV] = api_key
         cmd = [str(exe), "--target", address, "--method", method, "--mode", mode, "--requests", str(req_path),

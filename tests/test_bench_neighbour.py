@@ -16,6 +16,7 @@ import pytest
 
 from inference.cli_main import main as cli_main
 from inference.errors import InvalidInput
+from inference.grpc_io import POLLING_IO
 from inference.settings import ModelSettings
 from loadtest.bench import cli as bench_cli
 from loadtest.bench.neighbour import (
@@ -106,7 +107,9 @@ def test_each_embedded_configuration_states_every_lever() -> None:
                                        "EMBEDCAR_MODEL_ORT_SPINNING": str(d.ort_spinning).lower(),
                                        "EMBEDCAR_MODEL_PAD_MULTIPLE": str(d.pad_multiple),
                                        "EMBEDCAR_MODEL_SMALL_PASS_TOKENS": str(d.small_pass_tokens),
-                                       "EMBEDCAR_SIDECAR_INLINE_FORWARD": str(sc.inline_forward).lower()}
+                                       "EMBEDCAR_SIDECAR_INLINE_FORWARD": str(sc.inline_forward).lower(),
+                                       "GRPC_EXPERIMENTS": POLLING_IO}
+    assert embedded_env("event-engine")["GRPC_EXPERIMENTS"] == ""  # gRPC's own default I/O
     assert embedded_env("inline")["EMBEDCAR_SIDECAR_INLINE_FORWARD"] == "true"
     assert embedded_env("every-core")["EMBEDCAR_MODEL_INTRA_OP_THREADS"] == str(os.cpu_count() or 1)
     before = embedded_env("before")

@@ -44,6 +44,7 @@ from typing import IO, Any, Self
 import numpy as np
 
 from inference.errors import ModelError, Unavailable
+from inference.grpc_io import for_other_grpc
 from inference.manifest import Manifest, load_manifest
 from inference.settings import Settings
 from inference.triton.repository import RepoModel, generate_models, stub_sys_path
@@ -102,7 +103,7 @@ def triton_unavailable_reason() -> str | None:
 @functools.cache
 def _binary_runs(root: Path, hint: str) -> str | None:
     """Ask the binary for its usage text: catches missing shared libraries and a foreign libc."""
-    env = {**os.environ, "LD_LIBRARY_PATH": str(_libs_dir(root))}
+    env = {**for_other_grpc(os.environ), "LD_LIBRARY_PATH": str(_libs_dir(root))}
     try:
         out = subprocess.run([str(root / "bin" / "tritonserver"), "--help"], capture_output=True, text=True,
                              env=env, timeout=30)
@@ -360,7 +361,7 @@ class TritonServer:
     def _env(self) -> dict[str, str]:
         root = pytriton_root()
         assert root is not None
-        env = dict(os.environ)
+        env = for_other_grpc(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(_libs_dir(root)), env.get("LD_LIBRARY_PATH")) if p)
         # The stub embeds the system Python; it needs numpy (for the backend utils) before model.py runs.
         env["PYTHONPATH"] = os.pathsep.join(stub_sys_path())

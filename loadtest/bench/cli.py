@@ -205,8 +205,9 @@ def _serving(args: argparse.Namespace) -> int:
 
 # --- neighbour ------------------------------------------------------------------------------
 # loadtest.bench.neighbour.DEFAULT_CONFIGS and CONFIGS (not imported here: slow)
-NEIGHBOUR_CONFIGS = "model-1t,model-2t,default,every-core,small-pass,inline,spinning,before,triton"
-NEIGHBOUR_ALL_CONFIGS = "model-1t,model-2t,default,every-core,small-pass,inline,spinning,before,no-spin-bucket,triton"
+NEIGHBOUR_CONFIGS = "model-1t,model-2t,default,every-core,small-pass,inline,event-engine,spinning,before,triton"
+NEIGHBOUR_ALL_CONFIGS = ("model-1t,model-2t,default,every-core,small-pass,inline,event-engine,spinning,before,"
+                         "no-spin-bucket,triton")
 
 
 def _register_neighbour(areas: Any) -> None:

@@ -22,6 +22,8 @@ shell's EMBEDCAR_* variables do not leak into them):
   every-core          + model.intra_op_threads=<cores>: every pass on every core, not chosen
   small-pass          + model.small_pass_tokens=64: short passes on a one-thread session
   inline              + sidecar.inline_forward=true: the forward on the event loop when nothing waits
+  event-engine        + GRPC_EXPERIMENTS="" (gRPC's own default I/O: sockets on EventEngine threads,
+                      which the sidecar turns off, inference.grpc_io)
   spinning            + model.ort_spinning=true
   before              the old default: spinning, padded to the bucket (model.pad_multiple=0)
   no-spin-bucket      spinning off, padded to the bucket
@@ -55,6 +57,7 @@ import numpy as np
 
 from inference.errors import EmbedcarError, InvalidInput
 from inference.files import atomic_write_text
+from inference.grpc_io import EXPERIMENTS, POLLING_IO
 from inference.settings import ModelSettings, env_name
 from loadtest.neighbour import Neighbour, NeighbourData, prepare_data
 from loadtest.proc_cpu import CpuMeter
@@ -73,14 +76,15 @@ EMBEDDED: dict[str, dict[str, object]] = {
     "every-core": {"model.intra_op_threads": os.cpu_count() or 1},
     "small-pass": {"model.small_pass_tokens": 64},
     "inline": {"sidecar.inline_forward": True},
+    "event-engine": {EXPERIMENTS: ""},
     "spinning": {"model.ort_spinning": True},
     "before": {"model.ort_spinning": True, "model.pad_multiple": 0},
     "no-spin-bucket": {"model.ort_spinning": False, "model.pad_multiple": 0},
 }
 MODEL = {"model-1t": 1, "model-2t": 0}  # ORT threads (0 = every core)
 CONFIGS = (*MODEL, *EMBEDDED, "triton")
-DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "every-core", "small-pass", "inline", "spinning", "before",
-                   "triton")
+DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "every-core", "small-pass", "inline", "event-engine",
+                   "spinning", "before", "triton")
 DESCRIPTIONS = {
     "model-1t": "the model alone, in-process, 1 thread, exact lengths",
     "model-2t": "the model alone, in-process, all threads, exact lengths",
@@ -88,6 +92,7 @@ DESCRIPTIONS = {
     "every-core": "sidecar, embedded, ORT on every core (the default before the threads were chosen)",
     "small-pass": "sidecar, embedded, short passes on a 1-thread session",
     "inline": "sidecar, embedded, forward on the event loop when nothing waits",
+    "event-engine": "sidecar, embedded, gRPC's sockets on its EventEngine threads",
     "spinning": "sidecar, embedded, ORT threads spin",
     "before": "sidecar, embedded, the old default (spinning, bucket padding)",
     "no-spin-bucket": "sidecar, embedded, no spinning, bucket padding",
@@ -138,11 +143,15 @@ class NeighbourConfig:
 
 
 def embedded_env(config: str) -> dict[str, str]:
-    """EMBEDCAR_* of an embedded configuration: every lever stated (defaults from the settings classes)."""
+    """The environment of an embedded configuration: every lever stated (defaults from the settings
+    classes and inference.grpc_io), as EMBEDCAR_* and GRPC_EXPERIMENTS."""
     defaults = {"model": ModelSettings(), "sidecar": SidecarSettings()}
-    values = {lever: getattr(defaults[lever.partition(".")[0]], lever.partition(".")[2]) for lever in LEVERS}
+    values: dict[str, object] = {lever: getattr(defaults[lever.partition(".")[0]], lever.partition(".")[2])
+                                 for lever in LEVERS}
+    values[EXPERIMENTS] = POLLING_IO
     values |= EMBEDDED[config]
-    return {env_name(*k.split(".")): (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in values.items()}
+    return {(k if k == EXPERIMENTS else env_name(*k.split("."))): (str(v).lower() if isinstance(v, bool) else str(v))
+            for k, v in values.items()}
 
 
 # --- measuring ------------------------------------------------------------------------------------
