@@ -1,6 +1,6 @@
 """Which of gRPC C core's I/O paths our processes use: the polling thread's own, not the EventEngine's.
 
-gRPC's EventEngine experiments (on by default since ~1.6x) read and write sockets on an
+gRPC's EventEngine experiments (on by default in the grpcio we pin, 1.85) read and write sockets on an
 EventEngine thread pool that then hands each event to the completion queue, where Python's poller
 thread (grpc.aio) or the sync server's thread waits: one more thread woken per event. At a search
 node's pace (a call every few ms, the threads asleep in between) every wake-up is paid with cold
