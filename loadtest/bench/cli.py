@@ -205,8 +205,8 @@ def _serving(args: argparse.Namespace) -> int:
 
 # --- neighbour ------------------------------------------------------------------------------
 # loadtest.bench.neighbour.DEFAULT_CONFIGS and CONFIGS (not imported here: slow)
-NEIGHBOUR_CONFIGS = "model-1t,model-2t,default,every-core,small-pass,inline,event-engine,spinning,before,triton"
-NEIGHBOUR_ALL_CONFIGS = ("model-1t,model-2t,default,every-core,small-pass,inline,event-engine,spinning,before,"
+NEIGHBOUR_CONFIGS = "model-1t,model-2t,default,every-core,small-pass,inline,event-engine,stream,spinning,before,triton"
+NEIGHBOUR_ALL_CONFIGS = ("model-1t,model-2t,default,every-core,small-pass,inline,event-engine,stream,spinning,before,"
                          "no-spin-bucket,triton")
 
 
@@ -229,6 +229,9 @@ def _register_neighbour(areas: Any) -> None:
     p.add_argument("--idle", type=float, default=3.0, help="seconds of the idle-CPU window (default 3)")
     p.add_argument("--sla-ms", type=float, default=20.0, help="P95 budget beside the neighbour (default 20)")
     p.add_argument("--seed", type=int, default=0, help="query stream seed (default 0)")
+    p.add_argument("--pairs", type=int, default=4,
+                   help="blocks of each sidecar row's quiet window, each beside a block of the model alone in this "
+                        "process, the verdicts' reference (default 4; 0 = judge against the model rows)")
     p.add_argument("--no-neighbour", dest="neighbour", action="store_false",
                    help="quiet windows only (no search-engine process, no beside columns)")
     p.add_argument("--items", type=int, default=50_000, help="vectors in the neighbour's FAISS index (default 50000)")
@@ -248,8 +251,8 @@ def _neighbour(args: argparse.Namespace) -> int:
     settings = sidecar.Settings.load(overrides=flag_overrides(args))
     cfg = NeighbourConfig(configs=tuple(args.configs), rate=args.rate, duration_s=args.duration,
                           warmup_s=args.warmup, idle_s=args.idle, sla_ms=args.sla_ms, seed=args.seed,
-                          neighbour=args.neighbour, items=args.items, embedded_items=args.embedded_items,
-                          data_dir=args.data_dir,
+                          pairs=args.pairs, neighbour=args.neighbour, items=args.items,
+                          embedded_items=args.embedded_items, data_dir=args.data_dir,
                           log_dir=args.log_dir).validate()
     fallback = ["bench", "neighbour", "--configs", ",".join(cfg.configs), "--rate", f"{cfg.rate:g}",
                 "--duration", f"{cfg.duration_s:g}", "--out", str(args.out)]
