@@ -41,6 +41,10 @@ def _serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     described = settings.describe()  # secrets redacted
     log.info("settings: %s", json.dumps({k: described[k] for k in ("model", "sidecar")}))
+    if settings.sidecar.cpu_slice_us > 0:  # before the model's and gRPC's threads start: they inherit it
+        from sidecar.cpu_slice import set_slice
+
+        log.info("CPU slice: %s", set_slice(settings.sidecar.cpu_slice_us))
     asyncio.run(_serve_async(settings))
     return 0
 

@@ -86,6 +86,11 @@ class SidecarSettings:
         "index built by it (sidecar/rollout.py). 0 = never: a new version needs a restart."
     )
     health_poll_s: float = setting(0.5, "How often to probe the backend while it is down.")
+    cpu_slice_us: int = setting(
+        100, "CPU slice the sidecar's threads ask Linux's scheduler for (EEVDF, kernel 6.12+; 100-100000 µs): "
+        "woken for a query they preempt a busy search engine's thread instead of waiting out its slice, at no "
+        "extra CPU (sidecar/cpu_slice.py, docs/benchmarks.md). 0 = the kernel's default."
+    )
 
 
 

@@ -161,9 +161,11 @@ def test_each_embedded_configuration_states_every_lever() -> None:
                                        "EMBEDCAR_MODEL_PAD_MULTIPLE": str(d.pad_multiple),
                                        "EMBEDCAR_MODEL_SMALL_PASS_TOKENS": str(d.small_pass_tokens),
                                        "EMBEDCAR_SIDECAR_INLINE_FORWARD": str(sc.inline_forward).lower(),
+                                       "EMBEDCAR_SIDECAR_CPU_SLICE_US": str(sc.cpu_slice_us),
                                        "GRPC_EXPERIMENTS": POLLING_IO}
     assert embedded_env("event-engine")["GRPC_EXPERIMENTS"] == ""  # gRPC's own default I/O
     assert embedded_env("stream") == embedded_env("default")  # only the RPC differs
+    assert embedded_env("kernel-slice")["EMBEDCAR_SIDECAR_CPU_SLICE_US"] == "0"
     assert embedded_env("inline")["EMBEDCAR_SIDECAR_INLINE_FORWARD"] == "true"
     assert embedded_env("every-core")["EMBEDCAR_MODEL_INTRA_OP_THREADS"] == str(os.cpu_count() or 1)
     before = embedded_env("before")

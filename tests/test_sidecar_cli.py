@@ -16,6 +16,7 @@ from inference.errors import Unavailable
 from inference.ports import free_port
 from sidecar.app import SidecarThread
 from sidecar.client import Client
+from sidecar.cpu_slice import get_slice_ns
 from tests.conftest import ROOT
 from tests.fixtures_sidecar import ProbeBackend, sidecar_settings
 
@@ -52,6 +53,13 @@ def test_serve_until_sigterm(settings: Settings, tmp_path: Path) -> None:
             wait_serving(f"127.0.0.1:{port}", proc, timeout_s=120)
             with Client(f"127.0.0.1:{port}", api_key="serve-key-123") as c:
                 assert c.embed(["served"]).embeddings.shape == (1, 384)
+            # Every thread (the model's and gRPC's, started after the slice was set) asks for 0.1 ms,
+            # where the kernel keeps custom slices (sidecar/cpu_slice.py; the log says which).
+            slices = {get_slice_ns(int(t.name)) for t in Path(f"/proc/{proc.pid}/task").iterdir()}
+            said = log.read_text()
+            assert "CPU slice: " in said
+            if "CPU slice: not set" not in said:
+                assert slices == {100_000}
             proc.terminate()
             assert proc.wait(60) == 0
         finally:

@@ -30,6 +30,8 @@ shell's EMBEDCAR_* variables do not leak into them):
                       which the sidecar turns off, inference.grpc_io)
   stream              the defaults, each query a message on one open `Stream` call (how a search node
                       that keeps a stream open calls) instead of a unary Embed call
+  kernel-slice        + sidecar.cpu_slice_us=0: the kernel's default slice for the sidecar's threads
+                      instead of the short one they ask for (sidecar.cpu_slice)
   spinning            + model.ort_spinning=true
   before              the old default: spinning, padded to the bucket (model.pad_multiple=0)
   no-spin-bucket      spinning off, padded to the bucket
@@ -78,7 +80,7 @@ Record = dict[str, Any]
 
 # The embedded path's levers this bench compares: ("section.field", value) per configuration.
 LEVERS = ("model.intra_op_threads", "model.ort_spinning", "model.pad_multiple", "model.small_pass_tokens",
-          "sidecar.inline_forward")
+          "sidecar.inline_forward", "sidecar.cpu_slice_us")
 EMBEDDED: dict[str, dict[str, object]] = {
     "default": {},
     "every-core": {"model.intra_op_threads": os.cpu_count() or 1},
@@ -86,6 +88,7 @@ EMBEDDED: dict[str, dict[str, object]] = {
     "inline": {"sidecar.inline_forward": True},
     "event-engine": {EXPERIMENTS: ""},
     "stream": {},  # the defaults; its calls go on the Stream RPC (STREAMED)
+    "kernel-slice": {"sidecar.cpu_slice_us": 0},
     "spinning": {"model.ort_spinning": True},
     "before": {"model.ort_spinning": True, "model.pad_multiple": 0},
     "no-spin-bucket": {"model.ort_spinning": False, "model.pad_multiple": 0},
@@ -93,7 +96,7 @@ EMBEDDED: dict[str, dict[str, object]] = {
 MODEL = {"model-1t": 1, "model-2t": 0}  # ORT threads (0 = every core)
 CONFIGS = (*MODEL, *EMBEDDED, "triton")
 DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "every-core", "small-pass", "inline", "event-engine",
-                   "stream", "spinning", "before", "triton")
+                   "stream", "kernel-slice", "spinning", "before", "triton")
 STREAMED = {"stream"}  # configurations whose queries are messages on one open Stream call
 DESCRIPTIONS = {
     "model-1t": "the model alone, in-process, 1 thread, exact lengths",
@@ -104,6 +107,7 @@ DESCRIPTIONS = {
     "inline": "sidecar, embedded, forward on the event loop when nothing waits",
     "event-engine": "sidecar, embedded, gRPC's sockets on its EventEngine threads",
     "stream": "sidecar, embedded, the defaults, queries as Stream messages",
+    "kernel-slice": "sidecar, embedded, the kernel's default CPU slice",
     "spinning": "sidecar, embedded, ORT threads spin",
     "before": "sidecar, embedded, the old default (spinning, bucket padding)",
     "no-spin-bucket": "sidecar, embedded, no spinning, bucket padding",
@@ -385,7 +389,9 @@ def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_te
             try:
                 n = int(cfg.rate * cfg.duration_s)
                 await run_load(target, next_texts(int(cfg.rate * cfg.warmup_s) or 1), cfg.run_config(cfg.warmup_s))
-                quiet, alone = await paired_windows(target, next_texts, cfg, meter, model)
+                # Triton's row is judged by its own CPU: no model blocks beside it.
+                quiet, alone = await paired_windows(target, next_texts, cfg, meter,
+                                                    model if rec["kind"] == "embedded" else None)
                 rec["quiet"] = quiet.figures()
                 if alone is not None and model is not None:
                     rec["model_paired"] = alone.figures() | {"threads": model.threads}
@@ -530,7 +536,7 @@ def markdown(result: Record) -> str:
         verdict = ("reference" if r["kind"] == "model" else
                    "pass" if not r["failed"] else "fails " + ", ".join(r["failed"]))
         loss = r["neighbour_loss"]
-        own = row_reference(r, ref)
+        own = row_reference(r, ref) if r["kind"] == "embedded" else {}  # Triton's target is its own CPU
         over = q["cpu_ms_per_query"] - own["cpu_ms"] if own and q["cpu_ms_per_query"] is not None else None
         mp = r.get("model_paired") or {}
         paired = f"{_f(mp.get('cpu_ms_per_query'))} / {fmt_ms(mp.get('p50'))}" if mp else "–"
