@@ -584,13 +584,19 @@ def write_png(result: Record, path: Path) -> None:
     ax2.bar(x, own, color=colors)
     server = [val(r, "quiet", "server_cpu_ms_per_query") for r in rows]  # tritonserver's, on top
     ax2.bar(x, server, bottom=own, color=colors, alpha=0.35, hatch="//")
+    paired = [val({"p": r.get("model_paired")}, "p", "cpu_ms_per_query") for r in rows]
+    if any(np.isfinite(paired)):
+        ax2.scatter(x, paired, marker="_", s=600, color="black", lw=2, zorder=3, label="model beside it")
+    tops = [v for v in (*own, *(a + b for a, b in zip(own, server, strict=True)), *paired) if np.isfinite(v)]
+    if tops:
+        ax2.set_ylim(0, 1.15 * max(tops))
     ref = reference(result)
     if ref:
-        ax2.axhline(ref["cpu_ms"], color="black", ls=":", lw=1, label="model")
+        ax2.axhline(ref["cpu_ms"], color="black", ls=":", lw=1, label="model rows")
         ax2.axhline(ref["cpu_ms"] + CPU_MARGIN_MS, color="tab:orange", ls="--", lw=1,
                     label=f"model + {CPU_MARGIN_MS:g} ms")
         ax2.legend(fontsize=8)
-    ax2.set_title("CPU per query (all threads, /proc; hatched: tritonserver's)", fontsize=10)
+    ax2.set_title("CPU per query (all threads, /proc; hatched: tritonserver's; –: the model beside it)", fontsize=10)
     ax2.set_ylabel("ms CPU")
     ax3.bar(x, [val(r, "beside", "neighbour_qps") for r in rows], color=colors)
     if (alone := neighbour_baseline(result)) is not None:
