@@ -1,16 +1,17 @@
-"""TritonBackend when every endpoint fails, each in its own way, against small gRPC servers speaking
-Triton's protocol.
+"""TritonBackend against small gRPC servers speaking Triton's protocol: every endpoint failing, each
+in its own way; how often it probes.
 
 A fake only for what a real tritonserver cannot be made to do here on demand: stay up and answer
-UNAVAILABLE with a message of its own (a draining server). Everything a real server can show runs
-against one in tests/test_triton_server.py (a dead URL steered around, a server of another variant
-refused at start, kill and restart, deadlines). `FakeTriton` implements the four calls the backend
-makes (ModelReady, ModelMetadata, ModelConfig, ModelInfer) on a real grpc.aio server on a free
-loopback port.
+UNAVAILABLE with a message of its own (a draining server), and count the readiness probes it gets.
+Everything a real server can show runs against one in tests/test_triton_server.py (a dead URL steered
+around, a server of another variant refused at start, kill and restart, deadlines). `FakeTriton`
+implements the four calls the backend makes (ModelReady, ModelMetadata, ModelConfig, ModelInfer) on a
+real grpc.aio server on a free loopback port.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,6 +35,7 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore
         self.server: grpc.aio.Server | None = None
         self.url = ""
         self.infers = 0
+        self.probes = 0  # ModelReady calls
 
     async def start(self) -> None:
         self.server = grpc.aio.server()
@@ -48,6 +50,7 @@ class FakeTriton(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore
             self.server = None
 
     async def ModelReady(self, request: Any, context: Any) -> Any:  # noqa: N802 - the protocol's names
+        self.probes += 1
         return pb.ModelReadyResponse(ready=True)
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
@@ -107,5 +110,27 @@ async def test_every_endpoint_failing_names_each_url_with_its_own_error(
             assert named is not None, msg
             assert "draining" not in named.group(1) and named.group(1).strip()
         assert not backend.ready()  # both were marked down
+    finally:
+        await backend.close()
+
+
+async def test_requests_stand_in_for_probes_while_they_flow_an_idle_url_is_probed(
+        fakes: tuple[FakeTriton, FakeTriton], manifest: Manifest) -> None:
+    a, _b = fakes
+    backend = TritonBackend([a.url], manifest, timeout_s=5.0, probe_interval_s=0.1)
+    await backend.start()
+    loop = asyncio.get_running_loop()
+    try:
+        before, end = a.probes, loop.time() + 1.0
+        while loop.time() < end:  # a request every ~20 ms: each round finds a fresh answer
+            await backend.embed(_batch())
+            await asyncio.sleep(0.02)
+        busy = a.probes - before
+        before = a.probes
+        await asyncio.sleep(1.0)  # no traffic: probed every round again
+        idle = a.probes - before
+        assert idle >= 5, idle
+        assert busy <= idle // 3, (busy, idle)
+        assert backend.ready()
     finally:
         await backend.close()

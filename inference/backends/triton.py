@@ -121,6 +121,7 @@ class _Endpoint:
     stub: Any  # tritonclient's GRPCInferenceServiceStub on that channel
     up: bool = False
     down_since: float = 0.0
+    answered: float = float("-inf")  # when a request last succeeded here (time.monotonic)
     error: EmbedcarError | None = None  # why the latest probe failed (start-up names it)
 
 
@@ -308,9 +309,12 @@ class TritonBackend(Backend):
 
     async def _probe_loop(self) -> None:
         # Every endpoint, not only the down ones: ready() must turn False while an idle server is gone.
+        # One that answered a request since the last round needs no probe: under traffic the requests
+        # are the probes (each probe is a gRPC call's CPU, ~2 per second per URL otherwise).
         while True:
             await asyncio.sleep(self.probe_interval_s)
-            await asyncio.gather(*(self._probe(ep) for ep in self._endpoints))
+            recent = time.monotonic() - self.probe_interval_s
+            await asyncio.gather(*(self._probe(ep) for ep in self._endpoints if not (ep.up and ep.answered > recent)))
 
     def ready(self) -> bool:
         return self._started and any(ep.up for ep in self._endpoints)
@@ -390,6 +394,7 @@ class TritonBackend(Backend):
             if emb is None or emb.shape != (b, self.dim):
                 raise Internal(f"Triton returned {None if emb is None else emb.shape}, expected {(b, self.dim)}")
             self._mark(ep, True)
+            ep.answered = time.monotonic()
             return emb.astype(np.float32, copy=False)
         raise all_failed(failed)
 
