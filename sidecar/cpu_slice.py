@@ -80,6 +80,6 @@ def set_slice(us: int, *, tids: list[int] | None = None) -> str:
             done += 1
     if not done:
         return f"not set: sched_setattr refused ({os.strerror(ctypes.get_errno())})"
-    if get_slice_ns(tids[0]) != want:
+    if get_slice_ns() != want:  # this thread's, one of them
         return f"not set: this kernel ({platform.release()}) keeps no custom slice (Linux 6.12+ does)"
     return f"{want / 1e6:g} ms on {done} thread(s) and the threads they start"
