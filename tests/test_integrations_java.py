@@ -58,6 +58,10 @@ def test_java_example_answers_the_python_clients_vectors(java_classes: Path, car
     assert out["search"][0]["title"] and out["model"] == py.model
     assert out["spent_deadline"] == "DEADLINE_EXCEEDED"
     assert out["wrong_key"] == "UNAUTHENTICATED"
+    # The same request three times as messages on one open Stream call: the unary call's vectors
+    # each time; a wrong key ends the stream with the unary call's status.
+    assert out["stream_embeddings"] == ["same", "same", "same"]
+    assert out["wrong_key_stream"] == "UNAUTHENTICATED"
 
 
 def test_jdk_http_client_with_langchain4j_headers(java_classes: Path, car: EngineSidecar, tmp_path: Path) -> None:

@@ -8,8 +8,9 @@ import java.util.Arrays;
 import java.util.List;
 
 /**
- * What a search node does with {@link EmbedcarClient}: embed shopper queries, search the sidecar's
- * catalog index, give each call a deadline, send its API key. Prints one JSON object (vectors as
+ * What a search node does with {@link EmbedcarClient}: embed shopper queries (unary, and as messages
+ * on one open Stream call), search the sidecar's catalog index, give each call a deadline, send its
+ * API key. Prints one JSON object (vectors as
  * float32 shortest-repr decimals, so a reader gets the exact values back).
  *
  * <pre>java -cp CLASSPATH embedcar.client.Example 127.0.0.1:50051 API_KEY "greek yogurt" ...</pre>
@@ -55,11 +56,20 @@ public final class Example {
             } catch (StatusRuntimeException ex) { // e.g. FAILED_PRECONDITION: the sidecar serves no index
                 out.append(quote(ex.getStatus().getCode().name()));
             }
+            // The same texts as messages on one open Stream call (several: the stream stays open).
+            out.append(",\"stream_embeddings\":[");
+            for (int round = 0; round < 3; round++) {
+                float[][] v = client.embedOnStream(texts, Duration.ofMillis(2000)).vectors();
+                out.append(round == 0 ? "" : ",").append(Arrays.deepEquals(v, e.vectors()) ? "\"same\"" : "\"differ\"");
+            }
+            out.append(']');
             // A deadline already spent: the call ends DEADLINE_EXCEEDED without waiting.
             out.append(",\"spent_deadline\":").append(quote(code(() -> client.embed(texts, Duration.ofNanos(1)))));
         }
         try (EmbedcarClient wrong = new EmbedcarClient(target, apiKey + "-not-it")) {
             out.append(",\"wrong_key\":").append(quote(code(() -> wrong.embed(texts, Duration.ofMillis(2000)))));
+            out.append(",\"wrong_key_stream\":")
+                    .append(quote(code(() -> wrong.embedOnStream(texts, Duration.ofMillis(2000)))));
         }
         System.out.println(out.append('}'));
     }
