@@ -14,6 +14,7 @@ import java.util.function.IntConsumer;
  * component, a search plugin) and the JDK HttpClient on the OpenAI-compatible route (Solr's
  * text-to-vector module through LangChain4j). Sequential calls, one text each, after a warm-up;
  * "miss" texts are all distinct (the sidecar computes each), "hit" repeats one (its cache answers).
+ * "grpc_stream" sends the gRPC client's requests as messages on one open Stream call.
  * Prints P50/P95 in milliseconds as JSON.
  *
  * <pre>java -cp CLASSPATH embedcar.client.Latency HOST:PORT http://HOST:PORT/v1/embeddings MODEL KEY N</pre>
@@ -34,10 +35,15 @@ public final class Latency {
         try (EmbedcarClient grpc = new EmbedcarClient(target, key)) {
             IntConsumer grpcMiss = i -> grpc.embed(List.of("grpc " + run + " query " + i), Duration.ofSeconds(5));
             IntConsumer grpcHit = i -> grpc.embed(List.of("greek yogurt"), Duration.ofSeconds(5));
+            IntConsumer streamMiss = i -> grpc.embedOnStream(List.of("stream " + run + " query " + i),
+                    Duration.ofSeconds(5));
+            IntConsumer streamHit = i -> grpc.embedOnStream(List.of("greek yogurt"), Duration.ofSeconds(5));
             IntConsumer httpMiss = i -> post(http, url, key, model, "http " + run + " query " + i);
             IntConsumer httpHit = i -> post(http, url, key, model, "greek yogurt");
             out.append("\"grpc_miss\":").append(time(grpcMiss, n, -n));
+            out.append(",\"grpc_stream_miss\":").append(time(streamMiss, n, -n));
             out.append(",\"grpc_hit\":").append(time(grpcHit, n, 0));
+            out.append(",\"grpc_stream_hit\":").append(time(streamHit, n, 0));
             out.append(",\"jdk_http_miss\":").append(time(httpMiss, n, -n));
             out.append(",\"jdk_http_hit\":").append(time(httpHit, n, 0));
         }
