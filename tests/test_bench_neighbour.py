@@ -166,7 +166,7 @@ def test_each_embedded_configuration_states_every_lever() -> None:
     assert embedded_env("event-engine")["GRPC_EXPERIMENTS"] == ""  # gRPC's own default I/O
     assert embedded_env("stream") == embedded_env("default")  # only the RPC differs
     assert embedded_env("kernel-slice")["EMBEDCAR_SIDECAR_CPU_SLICE_US"] == "0"
-    assert embedded_env("inline")["EMBEDCAR_SIDECAR_INLINE_FORWARD"] == "true"
+    assert embedded_env("executor")["EMBEDCAR_SIDECAR_INLINE_FORWARD"] == "false"
     assert embedded_env("every-core")["EMBEDCAR_MODEL_INTRA_OP_THREADS"] == str(os.cpu_count() or 1)
     before = embedded_env("before")
     assert before["EMBEDCAR_MODEL_ORT_SPINNING"] == "true" and before["EMBEDCAR_MODEL_PAD_MULTIPLE"] == "0"

@@ -139,7 +139,8 @@ class InlineProbe(ProbeBackend):
 async def test_inline_forward_runs_on_the_loop_only_when_nothing_else_waits(probe_backend: ProbeBackend,
                                                                           tokenizer: QueryTokenizer) -> None:
     backend = InlineProbe(probe_backend)
-    b = MicroBatcher(backend, tokenizer, max_items=4, wait_us=0, inline=True)
+    # Arrivals 2000 s apart: sparse, so only what is queued decides.
+    b = MicroBatcher(backend, tokenizer, max_items=4, wait_us=0, inline=True, clock=FakeClock(5.0, 2000.0))
     b.start()
     try:
         short = tokenizer.encode(["milk"]).ids
@@ -155,6 +156,23 @@ async def test_inline_forward_runs_on_the_loop_only_when_nothing_else_waits(prob
     want = await probe_backend.inner.embed(tokenizer.batch(short, length=16))
     assert np.abs(alone.embeddings - want).max() < 1e-5
     assert np.abs(both[0].embeddings - want).max() < 1e-5
+
+
+async def test_inline_forward_leaves_the_loop_once_arrivals_come_faster_than_passes(
+        probe_backend: ProbeBackend, tokenizer: QueryTokenizer) -> None:
+    # Arrivals 1 µs apart, one at a time (nothing queued): the first pass, with no gap known yet,
+    # runs inline; once a pass is known to take more than half the gap, passes leave the loop, so
+    # the loop stays free for cache hits, admission and refusals while the host is busy.
+    backend = InlineProbe(probe_backend)
+    b = MicroBatcher(backend, tokenizer, max_items=4, wait_us=0, inline=True, clock=FakeClock(5.0, 1e-6))
+    b.start()
+    try:
+        ids = tokenizer.encode(["milk"]).ids
+        for _ in range(3):
+            await b.run(16, ids, None)
+    finally:
+        await b.close()
+    assert len(backend.inline_threads) == 1 and backend.calls == 2
 
 
 async def test_inline_is_off_for_a_backend_that_cannot_compute_in_the_callers_thread(

@@ -25,7 +25,8 @@ shell's EMBEDCAR_* variables do not leak into them):
   default             the sidecar as shipped (model settings' defaults; its ORT threads chosen at load)
   every-core          + model.intra_op_threads=<cores>: every pass on every core, not chosen
   small-pass          + model.small_pass_tokens=64: short passes on a one-thread session
-  inline              + sidecar.inline_forward=true: the forward on the event loop when nothing waits
+  executor            + sidecar.inline_forward=false: every forward on a worker thread (the default
+                      runs it on the event loop while arrivals are sparse and nothing waits)
   event-engine        + GRPC_EXPERIMENTS="" (gRPC's own default I/O: sockets on EventEngine threads,
                       which the sidecar turns off, inference.grpc_io)
   stream              the defaults, each query a message on one open `Stream` call (how a search node
@@ -85,7 +86,7 @@ EMBEDDED: dict[str, dict[str, object]] = {
     "default": {},
     "every-core": {"model.intra_op_threads": os.cpu_count() or 1},
     "small-pass": {"model.small_pass_tokens": 64},
-    "inline": {"sidecar.inline_forward": True},
+    "executor": {"sidecar.inline_forward": False},
     "event-engine": {EXPERIMENTS: ""},
     "stream": {},  # the defaults; its calls go on the Stream RPC (STREAMED)
     "kernel-slice": {"sidecar.cpu_slice_us": 0},
@@ -95,7 +96,7 @@ EMBEDDED: dict[str, dict[str, object]] = {
 }
 MODEL = {"model-1t": 1, "model-2t": 0}  # ORT threads (0 = every core)
 CONFIGS = (*MODEL, *EMBEDDED, "triton")
-DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "every-core", "small-pass", "inline", "event-engine",
+DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "every-core", "small-pass", "executor", "event-engine",
                    "stream", "kernel-slice", "spinning", "before", "triton")
 STREAMED = {"stream"}  # configurations whose queries are messages on one open Stream call
 DESCRIPTIONS = {
@@ -104,7 +105,7 @@ DESCRIPTIONS = {
     "default": "sidecar, embedded, the defaults",
     "every-core": "sidecar, embedded, ORT on every core (the default before the threads were chosen)",
     "small-pass": "sidecar, embedded, short passes on a 1-thread session",
-    "inline": "sidecar, embedded, forward on the event loop when nothing waits",
+    "executor": "sidecar, embedded, every forward on a worker thread",
     "event-engine": "sidecar, embedded, gRPC's sockets on its EventEngine threads",
     "stream": "sidecar, embedded, the defaults, queries as Stream messages",
     "kernel-slice": "sidecar, embedded, the kernel's default CPU slice",
