@@ -285,7 +285,7 @@ async def run_native(target: NativeTarget, texts: Sequence[str], config: RunConf
             errors_seen.setdefault(outcome, message[:300])
         off = float(offsets[i]) - config.warmup_s
         lags[i] = max(r.send_lag_ns, 0) / 1e9
-        samples.append(Sample(i, off, r.send_lag_ns / 1e9, r.latency_ns / 1e9, outcome, off < 0, timings))
+        samples.append(Sample(i, off, r.send_lag_ns / 1e9, r.latency_ns / 1e9, outcome, off < 0, timings, message))
     pacer = pacer_report(lags[offsets >= config.warmup_s], late_ms=config.late_ms)
     window = (run.start_ns + round(config.warmup_s * 1e9), run.end_ns)
     return RunResult(target.describe(), config, samples, pacer, run.wall_s, run.cpu_s, stats_before,

@@ -63,6 +63,7 @@ class Sample:
     code: str  # "ok" or an inference.errors code
     warmup: bool
     timings_ns: Timings | None = None
+    message: str = ""  # the error's message where the call failed (what the server said)
 
 
 @dataclass(slots=True)
@@ -139,25 +140,25 @@ async def run_load(target: Target, texts: Sequence[str], config: RunConfig) -> R
         async with gate:
             sent = clock()
             remaining = deadline_s - (sent - due)
-            code, timings = OK, None
+            code, timings, message = OK, None, ""
             if remaining <= 0:
                 code = DeadlineExceeded.code  # waited out its whole deadline behind the cap
+                message = "waited out its deadline behind the client's concurrency cap"
             else:
                 try:
                     # The guard catches a target that ignores its own timeout.
                     timings = await asyncio.wait_for(target.call(batch, timeout_s=remaining), remaining + 1.0)
                 except EmbedcarError as exc:
-                    code = exc.code
-                    errors_seen.setdefault(code, exc.message[:300])
+                    code, message = exc.code, exc.message
                 except TimeoutError:
-                    code = DeadlineExceeded.code
-                    errors_seen.setdefault(code, "no answer within the deadline (client-side guard)")
+                    code, message = DeadlineExceeded.code, "no answer within the deadline (client-side guard)"
                 except Exception as exc:  # a target bug must show as an error, not end the run
-                    code = "client_error"
-                    errors_seen.setdefault(code, f"{type(exc).__name__}: {exc}"[:300])
+                    code, message = "client_error", f"{type(exc).__name__}: {exc}"
+                if message:
+                    errors_seen.setdefault(code, message[:300])
             done = clock()
         off = float(offsets[i]) - config.warmup_s
-        samples[i] = Sample(i, off, sent - due, done - due, code, off < 0, timings)
+        samples[i] = Sample(i, off, sent - due, done - due, code, off < 0, timings, message)
 
     def release(i: int, due: float) -> None:
         t = asyncio.create_task(one(i, due))

@@ -8,6 +8,8 @@ import time
 import numpy as np
 import pytest
 
+from inference.errors import DeadlineExceeded
+from loadtest.faults.common import Phase, deadline_kind
 from loadtest.report import markdown, summarize
 from loadtest.runner import OK, RunConfig, run_load, settled_stats
 from loadtest.targets import HttpEmbedTarget, StubTarget, Target, Timings
@@ -203,3 +205,25 @@ async def test_the_window_statistics_are_read_once_they_stop_moving() -> None:
     # ... not before max_s, and with the last of its reads (a stopwatch ceiling would flake).
     assert time.perf_counter() - t0 >= 0.05 and stuck.reads >= 2
     assert got == {"embedder": {"requests": 15 - (stuck.catch_up - stuck.reads + 1)}}
+
+
+class _DeadlineTarget(Target):
+    """Every call fails with a DEADLINE_EXCEEDED whose message says where (as the sidecar's do)."""
+
+    async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
+        n = int(texts[0].rsplit(" ", 1)[1])
+        raise DeadlineExceeded("deadline leaves 1.0 ms, a pass needs 3.0 ms" if n % 2 else
+                               "deadline expired waiting for a shared inference")
+
+
+async def test_each_failure_keeps_its_message_and_a_phase_counts_only_its_own_window() -> None:
+    # Warm-up failures must not count in the measured window's figures: the overload scenario's
+    # "admitted that missed their deadline" is the window's DEADLINE_EXCEEDED less the window's
+    # refusals at admission, and a count over the whole run once made it negative.
+    cfg = RunConfig(rate=200, duration_s=0.1, warmup_s=0.05)
+    result = await run_load(_DeadlineTarget(), TEXTS, cfg)
+    assert len(result.samples) == 30 and len(result.measured) == 20
+    assert all(s.message.startswith("deadline ") for s in result.samples)
+    kinds = Phase.of(result).deadline_kinds()
+    assert kinds == {"refused_at_admission": 10, "expired_in_sidecar": 10}
+    assert deadline_kind("no answer within the deadline (client-side guard)") == "expired_client_side"

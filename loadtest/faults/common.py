@@ -34,7 +34,6 @@ class RecordingEmbedTarget(SidecarEmbedTarget):
     def __init__(self, grpc_target: str, **kw: Any) -> None:
         super().__init__(grpc_target, **kw)
         self.answered: Counter[str] = Counter()
-        self.deadlines: Counter[str] = Counter()  # refused_at_admission | expired_in_sidecar | expired_client_side
 
     async def call(self, texts: list[str], *, timeout_s: float) -> Timings | None:
         try:
@@ -48,11 +47,14 @@ class RecordingEmbedTarget(SidecarEmbedTarget):
     def observed(self, code: str, message: str, backend: str) -> None:
         if code == OK:
             self.answered[backend or "cache"] += 1
-        elif code == DeadlineExceeded.code:
-            if any(m in message for m in _REFUSED):
-                self.deadlines["refused_at_admission"] += 1
-            else:
-                self.deadlines["expired_in_sidecar" if "expired" in message else "expired_client_side"] += 1
+
+
+def deadline_kind(message: str) -> str:
+    """Where a DEADLINE_EXCEEDED happened, by its message: refused_at_admission | expired_in_sidecar |
+    expired_client_side."""
+    if any(m in message for m in _REFUSED):
+        return "refused_at_admission"
+    return "expired_in_sidecar" if "expired" in message else "expired_client_side"
 
 
 def fresh_queries(settings: Settings, n: int, seed: int) -> list[str]:
@@ -88,6 +90,10 @@ class Phase:
 
     def latencies_ms(self, code: str = OK) -> np.ndarray:
         return np.array([s.latency_s * 1e3 for s in self.samples if s.code == code], dtype=np.float64)
+
+    def deadline_kinds(self) -> Counter[str]:
+        """This phase's DEADLINE_EXCEEDED outcomes by where they happened (deadline_kind)."""
+        return Counter(deadline_kind(s.message) for s in self.samples if s.code == DeadlineExceeded.code)
 
     def pct(self, p: float, code: str = OK) -> float | None:
         lat = self.latencies_ms(code)

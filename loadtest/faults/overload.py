@@ -24,13 +24,13 @@ import httpx
 import numpy as np
 
 from demo_ui.settings import Settings
-from loadtest.faults.common import Phase, RecordingEmbedTarget, fmt, fresh_queries, load_during, rss_mb
+from loadtest.faults.common import Phase, fmt, fresh_queries, load_during, rss_mb
 from loadtest.faults.result import ScenarioResult
 from loadtest.native import sender_for
 from loadtest.proc_cpu import cpu_s
 from loadtest.runner import OK, RunConfig, Sample, run_load
 from loadtest.stack import SidecarProcess
-from loadtest.targets import Target
+from loadtest.targets import SidecarEmbedTarget, Target
 
 NAME = "overload"
 TITLE = "Overload at 2x and 5x the SLA capacity, 50 ms client deadlines (embedded backend)"
@@ -96,8 +96,7 @@ async def _scenario(settings: Settings, work: Path, quick: bool) -> dict[str, An
                         log_file=work / "sidecar-overload.log") as sc:
         # The callers a sidecar serves send from compiled clients; a Python client here would spend
         # 0.7-1 ms of the same two cores per call (loadtest.native) and be measured as the sidecar's.
-        recorder = RecordingEmbedTarget(sc.grpc_target)
-        target, out["client"] = sender_for(recorder)
+        target, out["client"] = sender_for(SidecarEmbedTarget(sc.grpc_target))
         await target.start()
         try:
             unloaded, _ = await _phase(target, settings, 20.0, 4.0 if quick else 10.0, seed=20)
@@ -135,7 +134,6 @@ async def _scenario(settings: Settings, work: Path, quick: bool) -> dict[str, An
                 config = RunConfig(rate=rate, duration_s=over_s, warmup_s=1.0, deadline_ms=DEADLINE_MS,
                                    seed=40 + j, concurrency=4096, spin_ms=0.0)
                 texts = fresh_queries(settings, config.requests, 40 + j)
-                recorder.deadlines.clear()
                 pid = sc.pid or 0  # started: it has one
                 c0 = cpu_s(pid)
                 result, _ = await load_during(target, texts, config, (over_s / 2, probe_retry_after))
@@ -145,7 +143,8 @@ async def _scenario(settings: Settings, work: Path, quick: bool) -> dict[str, An
                 ph = Phase.of(result)
                 # Refused = RESOURCE_EXHAUSTED or a deadline the sidecar saw it could not meet, before any
                 # backend time was spent; everything else was admitted (client-side expiries included).
-                refused_deadline = recorder.deadlines["refused_at_admission"]
+                deadlines = ph.deadline_kinds()  # of the measured window's requests only
+                refused_deadline = deadlines["refused_at_admission"]
                 rejected = _refused(ph) + refused_deadline
                 admitted = ph.n - rejected
                 missed = ph.codes.get("deadline_exceeded", 0) - refused_deadline
@@ -154,7 +153,7 @@ async def _scenario(settings: Settings, work: Path, quick: bool) -> dict[str, An
                     "accepted_p50_ms": ph.pct(50), "accepted_p95_ms": ph.pct(95), "accepted_p99_ms": ph.pct(99),
                     "admitted": admitted, "admitted_missed_deadline": missed,
                     "refused_for_deadline_at_admission": refused_deadline,
-                    "deadline_failures": dict(recorder.deadlines),
+                    "deadline_failures": dict(deadlines),
                     "admitted_missed_share": missed / admitted if admitted else 0.0,
                     "goodput_per_s": ph.ok / over_s,
                     "rejected_p50_ms": _refusal_pct(ph, 50), "rejected_p95_ms": _refusal_pct(ph, 95),
