@@ -88,6 +88,9 @@ ALERTS: dict[str, str] = {
     "past its sidecar.rate_per_s.",
     "embedcar_backend_errors": "Any sustained rate: the backend (Triton or the embedded model) is failing.",
     "embedcar_batch_size": "No alert: rows per backend call (batching at work under load).",
+    "embedcar_forward_passes": "No alert: embedded forward passes by the thread that ran them; thread=loop "
+    "while queries arrive sparsely (no thread hop), thread=worker under load or with "
+    "sidecar.inline_forward=false.",
     "embedcar_backend_answers": "backend=embedded-fallback above zero: Triton is down and the in-process model "
     "answers in its place.",
     "embedcar_backend_up": "0 for more than a minute (the backend is down; with embedded_fallback the "
@@ -120,6 +123,8 @@ class Metrics:
                                       registry=r)
         self.batch_size = Histogram("embedcar_batch_size", "Texts per backend call.", m, buckets=BATCH_BUCKETS,
                                     registry=r)
+        self.forward_passes = Counter("embedcar_forward_passes", "Embedded micro-batcher's forward passes by the "
+                                      "thread that ran them (loop | worker).", [*m, "thread"], registry=r)
         self.backend_answers = Counter("embedcar_backend_answers", "Backend calls by the backend that answered "
                                        "(embedded-fallback: the embedded model while the backend was down).",
                                        [*m, "backend"], registry=r)
@@ -158,6 +163,8 @@ class ModelMetrics:
         self.cache_misses = metrics.cache_misses.labels(model, version)
         self.singleflight_joins = metrics.singleflight_joins.labels(model, version)
         self.batch_size = metrics.batch_size.labels(model, version)
+        self.passes_on_loop = metrics.forward_passes.labels(model, version, "loop")
+        self.passes_on_worker = metrics.forward_passes.labels(model, version, "worker")
         self.backend_up = metrics.backend_up.labels(model, version)
         self.cache_entries = metrics.cache_entries.labels(model, version)
         self.rejected_admission = metrics.rejections.labels("admission")
@@ -195,7 +202,7 @@ class ModelMetrics:
                        m.cache_entries):
             with contextlib.suppress(KeyError):
                 family.remove(*self.labels)
-        for family in (m.backend_answers, m.backend_errors):  # (model, version, backend or kind)
+        for family in (m.backend_answers, m.backend_errors, m.forward_passes):  # (model, version, a third label)
             for labels in list(family._metrics):  # prometheus_client keeps no public list of children
                 if labels[:2] == self.labels:
                     family.remove(*labels)

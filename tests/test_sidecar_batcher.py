@@ -16,6 +16,7 @@ from inference.errors import DeadlineExceeded
 from inference.manifest import Manifest
 from inference.tokenizer import QueryTokenizer, TokenBatch
 from sidecar.batcher import MicroBatcher
+from sidecar.metrics import Metrics
 from tests.fixtures_sidecar import ProbeBackend
 
 
@@ -164,7 +165,9 @@ async def test_inline_forward_leaves_the_loop_once_arrivals_come_faster_than_pas
     # runs inline; once a pass is known to take more than half the gap, passes leave the loop, so
     # the loop stays free for cache hits, admission and refusals while the host is busy.
     backend = InlineProbe(probe_backend)
-    b = MicroBatcher(backend, tokenizer, max_items=4, wait_us=0, inline=True, clock=FakeClock(5.0, 1e-6))
+    metrics = Metrics()
+    b = MicroBatcher(backend, tokenizer, max_items=4, wait_us=0, inline=True, clock=FakeClock(5.0, 1e-6),
+                     metrics=metrics.for_model("m", "v"))
     b.start()
     try:
         ids = tokenizer.encode(["milk"]).ids
@@ -173,6 +176,24 @@ async def test_inline_forward_leaves_the_loop_once_arrivals_come_faster_than_pas
     finally:
         await b.close()
     assert len(backend.inline_threads) == 1 and backend.calls == 2
+    passes = {t: metrics.registry.get_sample_value("embedcar_forward_passes_total",
+                                                   {"model": "m", "version": "v", "thread": t})
+              for t in ("loop", "worker")}
+    assert passes == {"loop": 1.0, "worker": 2.0}
+
+
+def test_inline_needs_a_pass_under_half_the_gap(probe_backend: ProbeBackend, tokenizer: QueryTokenizer) -> None:
+    # An arrival during an inline pass is seen when the pass ends, so under load the measured gap
+    # tends to the pass itself: a rule of "pass <= gap" held the loop inline at 2x overload (one
+    # query per pass, the queue invisible to admission). Half the gap keeps the margin.
+    b = MicroBatcher(InlineProbe(probe_backend), tokenizer, max_items=4, wait_us=0, inline=True)
+    b._forward_s = 0.004
+    b._gap_s = 0.004  # the gap a blocked loop reads: the pass itself
+    assert not b._inline_now()
+    b._gap_s = 0.0079
+    assert not b._inline_now()
+    b._gap_s = 0.010  # 100 queries/s against 4 ms passes
+    assert b._inline_now()
 
 
 async def test_inline_is_off_for_a_backend_that_cannot_compute_in_the_callers_thread(
