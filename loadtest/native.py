@@ -24,6 +24,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sysconfig
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -59,7 +60,7 @@ _METHODS: dict[type[SidecarEmbedTarget], tuple[str, str]] = {
     SidecarEmbedTarget: ("/embedcar.v1.Embedder/Embed", "unary"),
 }
 
-_built: dict[Path, Path] = {}
+_built: dict[tuple[Path, str], Path] = {}
 
 
 def _libs() -> list[str]:
@@ -71,28 +72,41 @@ def _libs() -> list[str]:
 
 def build_loadgen(build_dir: Path = BUILD_DIR) -> Path:
     """The sender's executable, compiled once per source version (atomically: parallel runs are safe)."""
-    key = build_dir.resolve()
+    return build_native(SOURCE, "embedcar-loadgen", build_dir=build_dir)
+
+
+def build_native(source: Path, name: str, *, module: bool = False, build_dir: Path = BUILD_DIR) -> Path:
+    """`source` compiled against gRPC's C++ library, once per source version: an executable `name`,
+    or with `module` a Python extension module `name` (its file, in a folder of its own to import from)."""
+    key = (build_dir.resolve(), name)
     if key in _built and _built[key].exists():
         return _built[key]
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(CXX_FLAGS).encode()).hexdigest()[:12]
-    exe = build_dir / f"embedcar-loadgen-{digest}"
-    if not exe.exists():
+    flags = [*CXX_FLAGS]
+    if module:
+        include = sysconfig.get_paths()["include"]
+        if not (Path(include) / "Python.h").exists():
+            raise Unavailable(f"cannot build {name}: no Python.h in {include} (Debian: apt-get install python3-dev)")
+        flags += ["-shared", "-fPIC", f"-I{include}"]
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    if module:
+        out = build_dir / f"{name}-{digest}" / f"{name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    else:
+        out = build_dir / f"{name}-{digest}"
+    if not out.exists():
         cxx = shutil.which("g++") or shutil.which("c++")
         if cxx is None:
-            raise Unavailable(f"cannot build the native load generator: no C++ compiler; {INSTALL_HINT}")
-        build_dir.mkdir(parents=True, exist_ok=True)
-        tmp = build_dir / f".{exe.name}.{os.getpid()}.tmp"
-        log.info("building the native load generator (%s)", exe)
-        proc = subprocess.run([cxx, *CXX_FLAGS, "-o", str(tmp), str(SOURCE), *_libs()], capture_output=True,
-                              text=True)
+            raise Unavailable(f"cannot build {name}: no C++ compiler; {INSTALL_HINT}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
+        log.info("building %s (%s)", name, out)
+        proc = subprocess.run([cxx, *flags, "-o", str(tmp), str(source), *_libs()], capture_output=True, text=True)
         if proc.returncode != 0:
             tmp.unlink(missing_ok=True)
             tail = " ".join(proc.stderr.strip().splitlines()[-3:])[:400]
-            raise Unavailable(f"cannot build the native load generator ({tail}); {INSTALL_HINT}")
-        tmp.replace(exe)
-    _built[key] = exe
-    return exe
+            raise Unavailable(f"cannot build {name} ({tail}); {INSTALL_HINT}")
+        tmp.replace(out)
+    _built[key] = out
+    return out
 
 
 def native_unavailable_reason(build_dir: Path = BUILD_DIR) -> str | None:

@@ -3,15 +3,31 @@
 from __future__ import annotations
 
 import json
+import sysconfig
 import time
 from pathlib import Path
 
+import pytest
+
 from inference.cli_main import main as cli_main
-from loadtest.bench.transport import NATIVE_TRANSPORTS, TRANSPORTS, markdown, run
+from inference.errors import Unavailable
+from loadtest import native
+from loadtest.bench.transport import (
+    COMPILED_SERVERS,
+    ECHO_MODULE,
+    ECHO_SERVER,
+    NATIVE_TRANSPORTS,
+    TRANSPORTS,
+    compiled_unavailable_reason,
+    markdown,
+    run,
+)
 from tests.components import native_available
 
-# The compiled sender's rows where it builds here (tests/test_loadtest_native.py says why not).
-EXPECTED = TRANSPORTS + (NATIVE_TRANSPORTS if native_available() else ())
+# The compiled sender's rows where it builds here (tests/test_loadtest_native.py says why not), and
+# the compiled servers' where they build too.
+EXPECTED = (TRANSPORTS + (NATIVE_TRANSPORTS if native_available() else ())
+            + (COMPILED_SERVERS if native_available() and compiled_unavailable_reason() is None else ()))
 
 
 def test_every_transport_echoes_and_is_timed() -> None:
@@ -27,6 +43,18 @@ def test_every_transport_echoes_and_is_timed() -> None:
     table = markdown(result, rounds=1, block=5, gap_ms=1.0)
     assert [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "ms" not in line
             and not line.startswith("|---")] == list(EXPECTED)
+
+
+def test_a_compiled_server_that_cannot_build_says_what_it_needs(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"include": str(tmp_path)})  # no Python.h there
+    with pytest.raises(Unavailable, match="python3-dev"):
+        native.build_native(ECHO_MODULE, "embedcar_echo", module=True, build_dir=tmp_path / "build")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no g++ on it
+    with pytest.raises(Unavailable, match="libgrpc\\+\\+-dev"):
+        native.build_native(ECHO_SERVER, "embedcar-echo-server", build_dir=tmp_path / "build")
+    assert not list(tmp_path.glob("build/*"))
 
 
 def test_without_the_native_rows_the_table_says_so() -> None:
