@@ -8,7 +8,7 @@ caller sees. Python still does everything but the sending: it builds the schedul
 serialized requests, reads the records back and summarizes them exactly as for the Python client
 (`loadtest.runner`).
 
-Built on first use into `var/loadgen/` (g++ and gRPC's C++ library: Debian's `libgrpc++-dev`,
+Built on first use into `var/native/` (sidecar/native_build.py) (g++ and gRPC's C++ library: Debian's `libgrpc++-dev`,
 which `make test` installs when it can); `native_unavailable_reason()` says why it cannot be.
 Targets: `sidecar-embed`, `sidecar-stream`, `sidecar-search` with the `+native` suffix.
 """
@@ -16,15 +16,10 @@ Targets: `sidecar-embed`, `sidecar-stream`, `sidecar-search` with the `+native` 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import json
 import logging
 import os
-import shutil
 import struct
-import subprocess
-import sysconfig
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -40,16 +35,12 @@ from loadtest.runner import RunConfig, RunResult, Sample, SelfPacedTarget, settl
 from loadtest.schedule import arrival_offsets, pacer_report
 from loadtest.targets import SidecarEmbedTarget, SidecarSearchTarget, SidecarStreamTarget, Target, Timings
 from sidecar.client import embed_request, search_request, status_error, stream_error, timings_of
+from sidecar.native_build import BUILD_DIR, build_native
 from sidecar.proto import embedcar_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "native" / "loadgen.cc"
-BUILD_DIR = Path("var/loadgen")
-CXX_FLAGS = ("-O2", "-std=c++17", "-Wall", "-Wextra")
-# Without pkg-config's answer (Debian's grpc++.pc wants protobuf's, absent without libprotobuf-dev).
-FALLBACK_LIBS = ("-lgrpc++", "-lgrpc", "-lgpr", "-labsl_synchronization", "-lpthread")
-INSTALL_HINT = "it needs g++ and gRPC's C++ library (Debian: apt-get install libgrpc++-dev)"
 API_KEY_ENV = "EMBEDCAR_LOADGEN_API_KEY"
 _RECORD = struct.Struct("<qqiI")  # send_lag_ns, latency_ns, code, body length
 # Each Python target the sender can stand in for (or a subclass: first match): its gRPC method and
@@ -60,53 +51,9 @@ _METHODS: dict[type[SidecarEmbedTarget], tuple[str, str]] = {
     SidecarEmbedTarget: ("/embedcar.v1.Embedder/Embed", "unary"),
 }
 
-_built: dict[tuple[Path, str], Path] = {}
-
-
-def _libs() -> list[str]:
-    with contextlib.suppress(OSError, subprocess.CalledProcessError):
-        out = subprocess.run(["pkg-config", "--libs", "grpc++"], capture_output=True, text=True, check=True)
-        return [*out.stdout.split(), "-lpthread"]
-    return list(FALLBACK_LIBS)
-
-
 def build_loadgen(build_dir: Path = BUILD_DIR) -> Path:
     """The sender's executable, compiled once per source version (atomically: parallel runs are safe)."""
     return build_native(SOURCE, "embedcar-loadgen", build_dir=build_dir)
-
-
-def build_native(source: Path, name: str, *, module: bool = False, build_dir: Path = BUILD_DIR) -> Path:
-    """`source` compiled against gRPC's C++ library, once per source version: an executable `name`,
-    or with `module` a Python extension module `name` (its file, in a folder of its own to import from)."""
-    key = (build_dir.resolve(), name)
-    if key in _built and _built[key].exists():
-        return _built[key]
-    flags = [*CXX_FLAGS]
-    if module:
-        include = sysconfig.get_paths()["include"]
-        if not (Path(include) / "Python.h").exists():
-            raise Unavailable(f"cannot build {name}: no Python.h in {include} (Debian: apt-get install python3-dev)")
-        flags += ["-shared", "-fPIC", f"-I{include}"]
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-    if module:
-        out = build_dir / f"{name}-{digest}" / f"{name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
-    else:
-        out = build_dir / f"{name}-{digest}"
-    if not out.exists():
-        cxx = shutil.which("g++") or shutil.which("c++")
-        if cxx is None:
-            raise Unavailable(f"cannot build {name}: no C++ compiler; {INSTALL_HINT}")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
-        log.info("building %s (%s)", name, out)
-        proc = subprocess.run([cxx, *flags, "-o", str(tmp), str(source), *_libs()], capture_output=True, text=True)
-        if proc.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            tail = " ".join(proc.stderr.strip().splitlines()[-3:])[:400]
-            raise Unavailable(f"cannot build {name} ({tail}); {INSTALL_HINT}")
-        tmp.replace(out)
-    _built[key] = out
-    return out
 
 
 def native_unavailable_reason(build_dir: Path = BUILD_DIR) -> str | None:

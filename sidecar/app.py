@@ -1,7 +1,8 @@
 """The Sidecar: objects built in __init__ (no I/O), servers started in `start()`, graceful `stop()`.
 
     async with Sidecar(settings) as sc:      # gRPC on sc.grpc_target, HTTP on sc.http_port,
-        ...                                  # gRPC also on sc.uds_target if sidecar.uds_path is set
+        ...                                  # gRPC also on sc.uds_target if sidecar.uds_path is set,
+                                             # Embed and Search on sc.native_grpc_port if its setting is
 
 `SidecarThread` runs one on its own event loop in a background thread (tests, benchmarks).
 """
@@ -29,9 +30,11 @@ from inference.tokenizer import QueryTokenizer
 from sidecar.admission import Admission
 from sidecar.auth import KeyRing, check_bind
 from sidecar.cache import EmbeddingCache
+from sidecar.event_loop import new_event_loop
 from sidecar.grpc_server import SERVICE, EmbedderServicer, create_server, health_status
 from sidecar.metrics import Metrics
 from sidecar.models import FALLBACK, ModelSet, ServedModel, build_model, served_names
+from sidecar.native_front import NativeFront
 from sidecar.pipeline import EmbedPipeline
 from sidecar.ratelimit import RateLimiter
 from sidecar.rollout import Rollout
@@ -82,6 +85,8 @@ class Sidecar:
         in_flight = s.max_in_flight or (s.max_pending_batches + 1) * s.max_rows_per_pass
         self.gate = Gate(lambda: self.models.default.admission, self.metrics, in_flight)
         self.grpc_port = 0
+        self.native_grpc_port: int | None = None  # the compiled front's, when sidecar.native_grpc_port >= 0
+        self._front: NativeFront | None = None
         self.uds: UnixSocket | None = None
         self.http_port: int | None = None
         self.serving = False
@@ -170,6 +175,13 @@ class Sidecar:
         servicer = EmbedderServicer(self.service, self.metrics, self.gate)
         self._grpc, self.grpc_port, self.uds = create_server(s, servicer, self._health, self.tls)
         await self._grpc.start()
+        if s.native_grpc_port >= 0:
+            if self.tls is not None:
+                raise InvalidInput("sidecar.native_grpc_port serves plaintext only: turn it off with TLS "
+                                   "(the main gRPC port serves TLS)")
+            self._front = NativeFront(servicer, asyncio.get_running_loop())
+            self.native_grpc_port = await asyncio.to_thread(self._front.start, s.host, s.native_grpc_port,
+                                                            s.max_message_bytes)
         if s.http_port >= 0:
             await self._start_http(s.host, s.http_port, s.max_message_bytes)
         for m in self.models:
@@ -186,9 +198,10 @@ class Sidecar:
         self._monitor = loop.create_task(self._watch_backend(), name="backend-health")
         if s.model_poll_s > 0:
             self._rollout = loop.create_task(self.rollout.run(), name="model-rollout")
-        log.info("sidecar serving %s on grpc %s:%d%s, http %s", ", ".join(m.version_id for m in self.models), s.host,
-                 self.grpc_port,
+        log.info("sidecar serving %s on grpc %s:%d%s%s, http %s", ", ".join(m.version_id for m in self.models),
+                 s.host, self.grpc_port,
                  f" and {self.uds.path}" if self.uds is not None else "",
+                 f", compiled front :{self.native_grpc_port}" if self.native_grpc_port is not None else "",
                  self.http_port if self.http_port is not None else "off")
 
     def _switched(self, m: ServedModel) -> None:
@@ -218,6 +231,9 @@ class Sidecar:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._monitor = self._rollout = None
+        if self._front is not None:
+            await self._front.stop(grace)
+            self._front = None
         if self._grpc is not None:
             await self._grpc.stop(grace)  # refuses new calls, lets in-flight ones finish within `grace`
             self._grpc = None
@@ -319,7 +335,7 @@ class SidecarThread:
     def __init__(self, settings: Settings, *, backend: Backend | None = None,
                  index: ProductIndex | None = None) -> None:
         self._args = (settings, backend, index)
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sidecar", daemon=True)
         self.sidecar: Sidecar | None = None
 

@@ -70,6 +70,7 @@ class MicroBatcher(Scheduler):
         self._last_arrival: float | None = None
         self._gap_s = float("inf")  # EMA of the time between submissions; inf until two have arrived
         self._forward_s = 0.0  # EMA of a forward pass's duration (bounds the wait before a deadline)
+        self._passing = 0  # passes running (on the loop or the worker thread)
         self.batches = 0
 
     def start(self) -> None:
@@ -119,6 +120,41 @@ class MicroBatcher(Scheduler):
         something is queued, or passes fill the gaps: the pass goes to the worker thread."""
         return (self.inline and not any(self._queues.values())
                 and self._forward_s <= INLINE_LOAD * self._gap_s)
+
+    def can_run_now(self) -> bool:
+        """`run_now` may run a pass at once on the calling thread: the batcher is started and idle (no
+        pass running, nothing queued) and arrivals are sparse (the inline rule). Asked, like run_now, by
+        the compiled gRPC front's thread while the event loop sleeps (sidecar.event_loop)."""
+        return self._task is not None and not self._passing and self._inline_now()
+
+    def run_now(self, bucket: int, ids: list[list[int]], deadline: float | None) -> Computed:
+        """`run` as one pass on the calling thread, without the loop; only after can_run_now()."""
+        self._arrival(self._clock())
+        if deadline is not None and deadline <= self._clock():
+            raise DeadlineExceeded("deadline expired before inference")
+        start = time.perf_counter_ns()
+        try:
+            emb = self.backend.embed_sync(self.tokenizer.batch(ids, length=bucket))
+        except EmbedcarError:
+            raise
+        except Exception as exc:  # a bug below us: the caller's error, not the front's
+            raise Internal(f"backend failed: {exc}") from exc
+        end = time.perf_counter_ns()
+        self._passed(len(ids), bucket, end - start, "front")
+        return Computed(np.ascontiguousarray(emb), 0, end - start, self.label)
+
+    def _passed(self, rows: int, bucket: int, pass_ns: int, thread: str) -> None:
+        """A pass's bookkeeping: its duration's EMA, admission's cost model, metrics."""
+        self.batches += 1
+        seconds = pass_ns * 1e-9
+        self._forward_s = seconds if not self._forward_s else self._forward_s + 0.2 * (seconds - self._forward_s)
+        if self._admission is not None:
+            self._admission.observe(rows * bucket, seconds)
+        if self._metrics is not None:
+            self._metrics.batch_size.observe(rows)
+            m = self._metrics
+            (m.passes_on_loop if thread == "loop" else m.passes_on_front if thread == "front"
+             else m.passes_on_worker).inc()
 
     def _oldest_bucket(self) -> int | None:
         best: int | None = None
@@ -193,9 +229,10 @@ class MicroBatcher(Scheduler):
     async def _forward(self, bucket: int, items: list[_Item]) -> None:
         start = time.perf_counter_ns()
         rows = [seq for item in items for seq in item.ids]
+        on_loop = self._inline_now()
+        self._passing += 1
         try:
             batch = self.tokenizer.batch(rows, length=bucket)
-            on_loop = self._inline_now()
             if on_loop:
                 emb = self.backend.embed_sync(batch)  # blocks the loop: nothing is waiting for it
             else:
@@ -206,15 +243,10 @@ class MicroBatcher(Scheduler):
         except Exception as exc:  # a bug below us must not kill the batcher
             self._fail(items, Internal(f"backend failed: {exc}"))
             return
+        finally:
+            self._passing -= 1
         end = time.perf_counter_ns()
-        self.batches += 1
-        seconds = (end - start) * 1e-9
-        self._forward_s = seconds if not self._forward_s else self._forward_s + 0.2 * (seconds - self._forward_s)
-        if self._admission is not None:
-            self._admission.observe(len(rows) * bucket, seconds)
-        if self._metrics is not None:
-            self._metrics.batch_size.observe(len(rows))
-            (self._metrics.passes_on_loop if on_loop else self._metrics.passes_on_worker).inc()
+        self._passed(len(rows), bucket, end - start, "loop" if on_loop else "worker")
         infer_ns = end - start
         offset = 0
         for item in items:

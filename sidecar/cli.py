@@ -20,7 +20,8 @@ log = logging.getLogger("sidecar")
 def add_sidecar_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     add_flags(p, "triton", TritonSettings, "urls")
-    add_flags(p, "sidecar", SidecarSettings, "models", "host", "grpc_port", "uds_path", "http_port", "backend",
+    add_flags(p, "sidecar", SidecarSettings, "models", "host", "grpc_port", "native_grpc_port", "uds_path", "http_port",
+              "backend",
               "index_dir", "api_keys_file", "warm_queries_file", "cache_entries", "tls_cert_file", "tls_key_file",
               "tls_client_ca_file")
 
@@ -45,7 +46,10 @@ def _serve(args: argparse.Namespace) -> int:
         from sidecar.cpu_slice import set_slice
 
         log.info("CPU slice: %s", set_slice(settings.sidecar.cpu_slice_us))
-    asyncio.run(_serve_async(settings))
+    from sidecar.event_loop import new_event_loop
+
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:  # the loop the compiled front answers beside
+        runner.run(_serve_async(settings))
     return 0
 
 
@@ -60,6 +64,7 @@ async def _serve_async(settings: Settings) -> None:
     await sidecar.start()
     print(f"sidecar ready: grpc {settings.sidecar.host}:{sidecar.grpc_port}"
           f"{f', grpc {sidecar.uds_target}' if sidecar.uds_target is not None else ''}"
+          f"{f', compiled grpc {settings.sidecar.host}:{sidecar.native_grpc_port}' if sidecar.native_grpc_port else ''}"
           f"{f', http {settings.sidecar.host}:{sidecar.http_port}' if sidecar.http_port is not None else ''}",
           flush=True)
     await stop.wait()

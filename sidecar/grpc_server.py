@@ -28,7 +28,7 @@ from sidecar.auth import KeyRing
 from sidecar.errors import RETRY_AFTER_KEY, grpc_code
 from sidecar.metrics import Metrics
 from sidecar.proto import embedcar_pb2 as pb
-from sidecar.service import EmbedService
+from sidecar.service import EmbedOutcome, EmbedService
 from sidecar.settings import SidecarSettings
 from sidecar.shedding import Gate
 from sidecar.tls import ServerTls
@@ -121,10 +121,10 @@ class EmbedderServicer:
         self._ok = {"embed": metrics.requests.labels("embed", "ok"), "search": metrics.requests.labels("search", "ok")}
 
     async def embed(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-        return await self._unary("embed", pb.EmbedRequest, raw, context)
+        return await self._unary("embed", raw, context)
 
     async def search(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-        return await self._unary("search", pb.SearchRequest, raw, context)
+        return await self._unary("search", raw, context)
 
     async def stream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Each message becomes its own task, so requests in flight on one stream batch together as
@@ -159,19 +159,42 @@ class EmbedderServicer:
                 else:
                     await refuse(raw, refused)
 
-    async def _unary(self, rpc: str, cls: type[Any], raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-        refused = self.gate.refusal() if self.gate is not None else None
-        if refused is not None:
-            await self._abort(context, rpc, refused)
+    async def _unary(self, rpc: str, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         try:
-            reply = await self._handle(rpc, _parse(cls, raw), _api_key(context), _deadline(context))
+            return await self.answer(rpc, raw, _api_key(context), _deadline(context))
         except EmbedcarError as exc:
             await self._abort(context, rpc, exc)
             raise  # unreachable: abort raises
         except Exception as exc:  # a bug: report it as INTERNAL, never crash the server
             await self._abort(context, rpc, Internal(f"unexpected error: {type(exc).__name__}"))
             raise
+
+    async def answer(self, rpc: str, raw: bytes, key: str | None, deadline: float | None, *,
+                     authenticated: bool = False) -> bytes:
+        """A unary call's reply (rpc "embed" or "search"); raises EmbedcarError (count it: `count_error`).
+        Refused at once under overload, before the request is parsed."""
+        refused = self.gate.refusal() if self.gate is not None else None
+        if refused is not None:
+            raise refused
+        req = _parse(pb.EmbedRequest if rpc == "embed" else pb.SearchRequest, raw)
+        reply = await self._handle(rpc, req, key, deadline, authenticated=authenticated)
         return bytes(reply.SerializeToString())
+
+    def embed_now(self, raw: bytes, key: str | None, deadline: float | None) -> bytes | None:
+        """An Embed call's reply computed on the calling thread (EmbedService.embed_now), or None once
+        authenticated: finish it with `answer(..., authenticated=True)`. Raises EmbedcarError."""
+        refused = self.gate.refusal() if self.gate is not None else None
+        if refused is not None:
+            raise refused
+        req: pb.EmbedRequest = _parse(pb.EmbedRequest, raw)
+        out = self.service.embed_now(req.texts, model=req.model or None, api_key=key, deadline=deadline)
+        if out is None:
+            return None
+        self._ok["embed"].inc()
+        return bytes(_embed_reply(req, out).SerializeToString())
+
+    def count_error(self, rpc: str, exc: EmbedcarError) -> None:
+        self.metrics.requests.labels(rpc, exc.code).inc()
 
     async def _stream_one(self, raw: bytes, key: str | None, stream_deadline: float | None) -> pb.StreamReply:
         arrived = time.monotonic()
@@ -191,22 +214,17 @@ class EmbedderServicer:
             return pb.StreamReply(id=rid, error=self._error(rpc, Internal(f"unexpected error: {type(exc).__name__}")))
         return pb.StreamReply(id=rid, **{rpc: reply})
 
-    async def _handle(self, rpc: str, req: Any, key: str | None, deadline: float | None) -> Any:
+    async def _handle(self, rpc: str, req: Any, key: str | None, deadline: float | None, *,
+                      authenticated: bool = False) -> Any:
         """The reply message for a parsed request; counts it. Raises EmbedcarError."""
-        reply = await (self._embed if rpc == "embed" else self._search)(req, key, deadline)
-        self._ok[rpc].inc()
-        return reply
-
-    async def _embed(self, req: pb.EmbedRequest, key: str | None, deadline: float | None) -> pb.EmbedReply:
-        out = await self.service.embed(req.texts, model=req.model or None, api_key=key, deadline=deadline)
-        emb = out.embeddings
-        if req.float16:
-            data, dtype = emb.astype(_F16).tobytes(), pb.FLOAT16
+        reply: pb.EmbedReply | pb.SearchReply
+        if rpc == "embed":
+            out = await self.service.embed(req.texts, model=req.model or None, api_key=key, deadline=deadline,
+                                           authenticated=authenticated)
+            reply = _embed_reply(req, out)
         else:
-            data, dtype = emb.astype(_F32, copy=False).tobytes(), pb.FLOAT32
-        reply = pb.EmbedReply(embeddings=data, rows=emb.shape[0], dim=emb.shape[1], dtype=dtype,
-                              model=out.model, cache_hits=out.cache_hits, truncated=out.truncated,
-                              timings=pb.Timings(**out.timings_ns), backend=out.backend)
+            reply = await self._search(req, key, deadline)
+        self._ok[rpc].inc()
         return reply
 
     async def _search(self, req: pb.SearchRequest, key: str | None, deadline: float | None) -> pb.SearchReply:
@@ -224,15 +242,26 @@ class EmbedderServicer:
         return reply
 
     def _error(self, rpc: str, exc: EmbedcarError) -> pb.StreamError:
-        self.metrics.requests.labels(rpc, exc.code).inc()
+        self.count_error(rpc, exc)
         return pb.StreamError(code=grpc_code(exc).value[0], message=exc.message, retry_after_s=exc.retry_after_s or 0.0)
 
     async def _abort(self, context: grpc.aio.ServicerContext[Any, Any], rpc: str, exc: EmbedcarError) -> None:
-        self.metrics.requests.labels(rpc, exc.code).inc()
+        self.count_error(rpc, exc)
         trailer: tuple[tuple[str, str], ...] = ()
         if exc.retry_after_s is not None:
             trailer = ((RETRY_AFTER_KEY, f"{exc.retry_after_s:.4f}"),)
         await context.abort(grpc_code(exc), exc.message, trailing_metadata=trailer)
+
+
+def _embed_reply(req: pb.EmbedRequest, out: EmbedOutcome) -> pb.EmbedReply:
+    emb = out.embeddings
+    if req.float16:
+        data, dtype = emb.astype(_F16).tobytes(), pb.FLOAT16
+    else:
+        data, dtype = emb.astype(_F32, copy=False).tobytes(), pb.FLOAT32
+    return pb.EmbedReply(embeddings=data, rows=emb.shape[0], dim=emb.shape[1], dtype=dtype,
+                         model=out.model, cache_hits=out.cache_hits, truncated=out.truncated,
+                         timings=pb.Timings(**out.timings_ns), backend=out.backend)
 
 
 def create_server(settings: SidecarSettings, servicer: EmbedderServicer, health: HealthServicer,

@@ -89,8 +89,8 @@ ALERTS: dict[str, str] = {
     "embedcar_backend_errors": "Any sustained rate: the backend (Triton or the embedded model) is failing.",
     "embedcar_batch_size": "No alert: rows per backend call (batching at work under load).",
     "embedcar_forward_passes": "No alert: embedded forward passes by the thread that ran them; thread=loop "
-    "while queries arrive sparsely (no thread hop), thread=worker under load or with "
-    "sidecar.inline_forward=false.",
+    "while queries arrive sparsely (no thread hop), thread=front for such a query taken by the compiled gRPC "
+    "front (sidecar.native_grpc_port), thread=worker under load or with sidecar.inline_forward=false.",
     "embedcar_backend_answers": "backend=embedded-fallback above zero: Triton is down and the in-process model "
     "answers in its place.",
     "embedcar_backend_up": "0 for more than a minute (the backend is down; with embedded_fallback the "
@@ -124,7 +124,7 @@ class Metrics:
         self.batch_size = Histogram("embedcar_batch_size", "Texts per backend call.", m, buckets=BATCH_BUCKETS,
                                     registry=r)
         self.forward_passes = Counter("embedcar_forward_passes", "Embedded micro-batcher's forward passes by the "
-                                      "thread that ran them (loop | worker).", [*m, "thread"], registry=r)
+                                      "thread that ran them (loop | front | worker).", [*m, "thread"], registry=r)
         self.backend_answers = Counter("embedcar_backend_answers", "Backend calls by the backend that answered "
                                        "(embedded-fallback: the embedded model while the backend was down).",
                                        [*m, "backend"], registry=r)
@@ -165,6 +165,7 @@ class ModelMetrics:
         self.batch_size = metrics.batch_size.labels(model, version)
         self.passes_on_loop = metrics.forward_passes.labels(model, version, "loop")
         self.passes_on_worker = metrics.forward_passes.labels(model, version, "worker")
+        self.passes_on_front = metrics.forward_passes.labels(model, version, "front")
         self.backend_up = metrics.backend_up.labels(model, version)
         self.cache_entries = metrics.cache_entries.labels(model, version)
         self.rejected_admission = metrics.rejections.labels("admission")

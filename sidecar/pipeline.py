@@ -5,6 +5,9 @@
 
 Each stage is a small method with its own timing (sidecar.timings.Timings). Auth, rate limits and
 the index live in sidecar.service; the gRPC and HTTP layers only convert types.
+
+`EmbedPipeline.run_now` is the same stages for one text that needs no waiting, run on the calling
+thread: the compiled gRPC front's, while the event loop sleeps (sidecar.native_front).
 """
 
 from __future__ import annotations
@@ -82,6 +85,49 @@ class EmbedPipeline:
         out = self.assemble(found, len(clean))
         out.backend = backend
         return out
+
+    def run_now(self, texts: Sequence[object], deadline: float, tm: Timings) -> Embedded | None:
+        """`run` on the calling thread for one text that needs no waiting: a cache hit, or a miss no
+        other request is computing while the micro-batcher can run it at once (Scheduler.can_run_now).
+        None, with nothing counted, for anything else: the caller then awaits `run` on the loop.
+        Only while the loop cannot run (sidecar.event_loop): the cache, batcher and admission are its."""
+        if len(texts) != 1:
+            return None
+        t0 = time.perf_counter_ns()
+        (text,) = self.validate(texts)
+        norm = normalize(text, lowercase=self.lowercase)
+        key = self.cache.key(norm)
+        hit = self.cache.get(key)
+        if hit is None and (self.cache.joinable(key) is not None or not self.scheduler.can_run_now()):
+            return None
+        out = np.empty((1, self.dim), dtype=np.float32)
+        if hit is not None:
+            self.metrics.cache_hits.inc()
+            tm.cache = time.perf_counter_ns() - t0
+            out[0] = hit.vector
+            return Embedded(out, [True], [hit.truncated], [hit.tokens])
+        self.metrics.cache_misses.inc()
+        t1 = time.perf_counter_ns()
+        tm.cache = t1 - t0
+        try:
+            enc = self.tokenizer.encode([norm])
+            ((bucket, _chunk),) = plan_calls(enc.lengths, self.tokenizer.buckets, self.max_items_per_call)
+            ticket = self.admission.admit(1, bucket, deadline)
+            tm.tokenize = time.perf_counter_ns() - t1
+            try:
+                computed = self.scheduler.run_now(bucket, [enc.ids[0]], deadline)
+            finally:
+                self.admission.release(ticket)
+        except BaseException as exc:
+            self._record_error(exc)
+            raise
+        entry = Entry(computed.embeddings[0], enc.truncated[0], len(enc.ids[0]))
+        self.cache.put(key, entry)
+        self.metrics.cache_entries.set(len(self.cache))
+        tm.inference = computed.inference_ns
+        self.metrics.answered(computed.backend)
+        out[0] = entry.vector
+        return Embedded(out, [False], [entry.truncated], [entry.tokens], computed.backend)
 
     # --- stages ------------------------------------------------------------------------------
     def validate(self, texts: Sequence[object]) -> list[str]:

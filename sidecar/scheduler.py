@@ -42,6 +42,14 @@ class Scheduler(ABC):
     async def run(self, bucket: int, ids: list[list[int]], deadline: float | None) -> Computed:
         """[n] sequences of one bucket -> their embeddings; raises project errors only."""
 
+    def can_run_now(self) -> bool:
+        """Whether `run_now` can answer at once on the calling thread (only the idle micro-batcher can)."""
+        return False
+
+    def run_now(self, bucket: int, ids: list[list[int]], deadline: float | None) -> Computed:
+        """`run` without waiting, after can_run_now() said yes (sidecar.native_front)."""
+        raise Unavailable(f"{type(self).__name__} cannot answer without waiting")
+
     def start(self) -> None:  # noqa: B027 - most schedulers have nothing to start
         """Start background work (on the running loop)."""
 
@@ -109,6 +117,12 @@ class FallbackScheduler(Scheduler):
             raise Unavailable(f"backend {self.backend.name} is down{f' ({why})' if why else ''}; "
                               "waiting for it to come back")
         return await self.fallback.run(bucket, ids, deadline)
+
+    def can_run_now(self) -> bool:  # the primary only: a backend going down is run()'s to handle
+        return self.health.up and self.primary.can_run_now()
+
+    def run_now(self, bucket: int, ids: list[list[int]], deadline: float | None) -> Computed:
+        return self.primary.run_now(bucket, ids, deadline)
 
     def start(self) -> None:
         self.primary.start()

@@ -21,7 +21,8 @@ from inference.backends.base import Embeddings
 from inference.errors import InvalidInput, Overloaded, Unauthenticated
 from sidecar.auth import KeyRing
 from sidecar.metrics import Metrics
-from sidecar.models import ModelSet
+from sidecar.models import ModelSet, ServedModel
+from sidecar.pipeline import Embedded
 from sidecar.ratelimit import RateLimiter
 from sidecar.timings import Timings
 
@@ -93,6 +94,22 @@ class EmbedService:
         served = self.models.get(model)
         tm.auth = time.perf_counter_ns() - t0
         out = await served.pipeline.run(texts, self._deadline(deadline), tm)
+        return self._embedded(served, out, tm, t0)
+
+    def embed_now(self, texts: Sequence[object], *, model: str | None = None, api_key: str | None = None,
+                  deadline: float | None = None) -> EmbedOutcome | None:
+        """`embed` on the calling thread where its pipeline can answer without waiting
+        (EmbedPipeline.run_now); None once authenticated: finish with `embed(..., authenticated=True)`."""
+        t0 = time.perf_counter_ns()
+        tm = Timings()
+        self.authenticate(api_key)
+        served = self.models.get(model)
+        tm.auth = time.perf_counter_ns() - t0
+        out = served.pipeline.run_now(texts, self._deadline(deadline), tm)
+        return None if out is None else self._embedded(served, out, tm, t0)
+
+    @staticmethod
+    def _embedded(served: ServedModel, out: Embedded, tm: Timings, t0: int) -> EmbedOutcome:
         tm.total = time.perf_counter_ns() - t0
         timings = tm.as_dict()
         served.metrics.observe_timings("embed", timings)

@@ -11,7 +11,6 @@ import pytest
 
 from inference.cli_main import main as cli_main
 from inference.errors import Unavailable
-from loadtest import native
 from loadtest.bench.transport import (
     COMPILED_SERVERS,
     ECHO_MODULE,
@@ -22,6 +21,7 @@ from loadtest.bench.transport import (
     markdown,
     run,
 )
+from sidecar import native_build
 from tests.components import native_available
 
 # The compiled sender's rows where it builds here (tests/test_loadtest_native.py says why not), and
@@ -47,13 +47,13 @@ def test_every_transport_echoes_and_is_timed() -> None:
 
 def test_a_compiled_server_that_cannot_build_says_what_it_needs(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native_build, "_built", {})
     monkeypatch.setattr(sysconfig, "get_paths", lambda: {"include": str(tmp_path)})  # no Python.h there
     with pytest.raises(Unavailable, match="python3-dev"):
-        native.build_native(ECHO_MODULE, "embedcar_echo", module=True, build_dir=tmp_path / "build")
+        native_build.build_native(ECHO_MODULE, "embedcar_echo", module=True, build_dir=tmp_path / "build")
     monkeypatch.setenv("PATH", str(tmp_path))  # no g++ on it
     with pytest.raises(Unavailable, match="libgrpc\\+\\+-dev"):
-        native.build_native(ECHO_SERVER, "embedcar-echo-server", build_dir=tmp_path / "build")
+        native_build.build_native(ECHO_SERVER, "embedcar-echo-server", build_dir=tmp_path / "build")
     assert not list(tmp_path.glob("build/*"))
 
 

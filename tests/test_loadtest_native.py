@@ -20,13 +20,13 @@ from inference.cli_main import main as cli_main
 from inference.errors import DeadlineExceeded, InvalidInput, Unauthenticated, Unavailable
 from inference.ports import free_port
 from inference.tokenizer import QueryTokenizer
-from loadtest import native
 from loadtest.native import NativeTarget, build_loadgen
 from loadtest.queries import query_stream
 from loadtest.report import summarize
 from loadtest.runner import OK, RunConfig, RunResult, run_load
 from loadtest.stack import TargetSpec
 from loadtest.targets import HttpEmbedTarget, SidecarEmbedTarget, SidecarSearchTarget, SidecarStreamTarget
+from sidecar import native_build
 from sidecar.app import SidecarThread
 from tests.components import require_native
 from tests.fixtures_sidecar import sidecar_settings
@@ -170,7 +170,7 @@ def test_target_specs_name_the_client() -> None:
 
 def test_a_build_without_a_compiler_says_what_it_needs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no g++ on it
-    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native_build, "_built", {})
     with pytest.raises(Unavailable, match="libgrpc\\+\\+-dev"):
         build_loadgen(tmp_path / "build")
     assert not list((tmp_path).glob("build/*"))
