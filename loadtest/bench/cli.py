@@ -205,9 +205,10 @@ def _serving(args: argparse.Namespace) -> int:
 
 # --- neighbour ------------------------------------------------------------------------------
 # loadtest.bench.neighbour.DEFAULT_CONFIGS and CONFIGS (not imported here: slow)
-NEIGHBOUR_CONFIGS = ("model-1t,model-2t,default,every-core,small-pass,executor,event-engine,stream,kernel-slice,"
-                     "spinning,before,triton")
-NEIGHBOUR_ALL_CONFIGS = ("model-1t,model-2t,default,every-core,small-pass,executor,event-engine,stream,kernel-slice,"
+NEIGHBOUR_CONFIGS = ("model-1t,model-2t,default,every-core,small-pass,executor,event-engine,stream,front,"
+                     "kernel-slice,spinning,before,triton")
+NEIGHBOUR_ALL_CONFIGS = ("model-1t,model-2t,default,every-core,small-pass,executor,event-engine,stream,front,"
+                         "kernel-slice,"
                          "spinning,before,"
                          "no-spin-bucket,triton")
 

@@ -31,6 +31,8 @@ shell's EMBEDCAR_* variables do not leak into them):
                       which the sidecar turns off, inference.grpc_io)
   stream              the defaults, each query a message on one open `Stream` call (how a search node
                       that keeps a stream open calls) instead of a unary Embed call
+  front               the defaults, the unary calls sent to the compiled gRPC front
+                      (sidecar.native_grpc_port, sidecar/native_front.py) instead of the main port
   kernel-slice        + sidecar.cpu_slice_us=0: the kernel's default slice for the sidecar's threads
                       instead of the short one they ask for (sidecar.cpu_slice)
   spinning            + model.ort_spinning=true
@@ -81,7 +83,7 @@ Record = dict[str, Any]
 
 # The embedded path's levers this bench compares: ("section.field", value) per configuration.
 LEVERS = ("model.intra_op_threads", "model.ort_spinning", "model.pad_multiple", "model.small_pass_tokens",
-          "sidecar.inline_forward", "sidecar.cpu_slice_us")
+          "sidecar.inline_forward", "sidecar.cpu_slice_us", "sidecar.native_grpc_port")
 EMBEDDED: dict[str, dict[str, object]] = {
     "default": {},
     "every-core": {"model.intra_op_threads": os.cpu_count() or 1},
@@ -89,6 +91,7 @@ EMBEDDED: dict[str, dict[str, object]] = {
     "executor": {"sidecar.inline_forward": False},
     "event-engine": {EXPERIMENTS: ""},
     "stream": {},  # the defaults; its calls go on the Stream RPC (STREAMED)
+    "front": {},  # the defaults and the compiled front on a free port (FRONTED), its calls sent there
     "kernel-slice": {"sidecar.cpu_slice_us": 0},
     "spinning": {"model.ort_spinning": True},
     "before": {"model.ort_spinning": True, "model.pad_multiple": 0},
@@ -97,8 +100,9 @@ EMBEDDED: dict[str, dict[str, object]] = {
 MODEL = {"model-1t": 1, "model-2t": 0}  # ORT threads (0 = every core)
 CONFIGS = (*MODEL, *EMBEDDED, "triton")
 DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "every-core", "small-pass", "executor", "event-engine",
-                   "stream", "kernel-slice", "spinning", "before", "triton")
+                   "stream", "front", "kernel-slice", "spinning", "before", "triton")
 STREAMED = {"stream"}  # configurations whose queries are messages on one open Stream call
+FRONTED = {"front"}  # configurations whose calls go to the compiled gRPC front
 DESCRIPTIONS = {
     "model-1t": "the model alone, in-process, 1 thread, exact lengths",
     "model-2t": "the model alone, in-process, all threads, exact lengths",
@@ -108,6 +112,7 @@ DESCRIPTIONS = {
     "executor": "sidecar, embedded, every forward on a worker thread",
     "event-engine": "sidecar, embedded, gRPC's sockets on its EventEngine threads",
     "stream": "sidecar, embedded, the defaults, queries as Stream messages",
+    "front": "sidecar, embedded, the defaults, calls to the compiled gRPC front",
     "kernel-slice": "sidecar, embedded, the kernel's default CPU slice",
     "spinning": "sidecar, embedded, ORT threads spin",
     "before": "sidecar, embedded, the old default (spinning, bucket padding)",
@@ -343,6 +348,7 @@ async def paired_windows(target: Any, next_texts: Callable[[int], list[str]], cf
 
 def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_texts: Callable[[int], list[str]],
                     neighbour: Neighbour | None, model: InProcessModel | None = None) -> Record:
+    from inference.ports import free_port
     from loadtest.native import sender_for
     from loadtest.stack import SidecarProcess
     from loadtest.targets import SidecarEmbedTarget, SidecarStreamTarget
@@ -368,6 +374,10 @@ def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_te
                 pids["tritonserver"] = server.pid
         else:
             env = embedded_env(name)
+        front_port = None
+        if name in FRONTED:
+            front_port = free_port()
+            env = env | {env_name("sidecar", "native_grpc_port"): str(front_port)}
         rec["env"] = env
         sc = stack.enter_context(SidecarProcess(settings, backend="triton" if triton_url else "embedded",
                                                 variant=variant, triton_url=triton_url, http=False, extra_env=env,
@@ -385,7 +395,8 @@ def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_te
             # From a compiled client, as a search node calls: a Python one would spend 0.7-1 ms of the
             # same two cores per call (loadtest.native) and add its own latency to the sidecar's.
             rpc = SidecarStreamTarget if name in STREAMED else SidecarEmbedTarget
-            target, rec["client"] = sender_for(rpc(sc.grpc_target))
+            address = sc.grpc_target if front_port is None else f"127.0.0.1:{front_port}"
+            target, rec["client"] = sender_for(rpc(address))
             await target.start()
             try:
                 n = int(cfg.rate * cfg.duration_s)
