@@ -210,7 +210,7 @@ NEIGHBOUR_CONFIGS = ("model-1t,model-2t,default,every-core,small-pass,executor,e
 NEIGHBOUR_ALL_CONFIGS = ("model-1t,model-2t,default,every-core,small-pass,executor,event-engine,stream,front,"
                          "kernel-slice,"
                          "spinning,before,"
-                         "no-spin-bucket,triton")
+                         "no-spin-bucket,triton,triton-front")
 
 
 def _register_neighbour(areas: Any) -> None:

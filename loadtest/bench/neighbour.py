@@ -41,6 +41,8 @@ shell's EMBEDCAR_* variables do not leak into them):
   triton              the sidecar over a local tritonserver (CPU, Python backend); skipped, saying
                       why, where the binary cannot run. Its sidecar CPU excludes tritonserver's
                       (a separate column)
+  triton-front        the same, its calls sent to the compiled gRPC front (which hands each to the
+                      event loop: a Triton call waits for Triton)
 
 Verdicts (issue #25's targets; a benchmark, not a gate: exit 0 whatever they say), per sidecar row,
 against the model beside it (or, with --pairs 0, the model rows: their lowest CPU per query and the
@@ -98,11 +100,12 @@ EMBEDDED: dict[str, dict[str, object]] = {
     "no-spin-bucket": {"model.ort_spinning": False, "model.pad_multiple": 0},
 }
 MODEL = {"model-1t": 1, "model-2t": 0}  # ORT threads (0 = every core)
-CONFIGS = (*MODEL, *EMBEDDED, "triton")
+TRITON = ("triton", "triton-front")  # the sidecar over a local tritonserver
+CONFIGS = (*MODEL, *EMBEDDED, *TRITON)
 DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "every-core", "small-pass", "executor", "event-engine",
                    "stream", "front", "kernel-slice", "spinning", "before", "triton")
 STREAMED = {"stream"}  # configurations whose queries are messages on one open Stream call
-FRONTED = {"front"}  # configurations whose calls go to the compiled gRPC front
+FRONTED = {"front", "triton-front"}  # configurations whose calls go to the compiled gRPC front
 DESCRIPTIONS = {
     "model-1t": "the model alone, in-process, 1 thread, exact lengths",
     "model-2t": "the model alone, in-process, all threads, exact lengths",
@@ -118,6 +121,7 @@ DESCRIPTIONS = {
     "before": "sidecar, embedded, the old default (spinning, bucket padding)",
     "no-spin-bucket": "sidecar, embedded, no spinning, bucket padding",
     "triton": "sidecar, Triton backend (CPU)",
+    "triton-front": "sidecar, Triton backend (CPU), calls to the compiled gRPC front",
 }
 CPU_MARGIN_MS = 1.0  # unary gRPC: the sidecar may add this much CPU per query to the model's own
 STREAM_CPU_MARGIN_MS = 0.6  # a message on an open Stream call: no call to set up per query
@@ -356,13 +360,13 @@ def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_te
     variant = settings.model.variant
     logs = cfg.log_dir
     logs.mkdir(parents=True, exist_ok=True)
-    rec: Record = {"config": name, "kind": "triton" if name == "triton" else "embedded",
+    rec: Record = {"config": name, "kind": "triton" if name in TRITON else "embedded",
                    "rpc": "stream" if name in STREAMED else "unary"}
     with contextlib.ExitStack() as stack:
         pids: dict[str, int] = {}
         triton_url = None
         env = embedded_env("default")  # the Triton sidecar's fallback model, when it loads one, as shipped
-        if name == "triton":
+        if name in TRITON:
             from inference.triton.launcher import TritonServer, triton_unavailable_reason
 
             if reason := triton_unavailable_reason():
