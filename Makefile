@@ -44,12 +44,13 @@ browser:
 	  (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
 	  || echo "chromium could not be installed: the browser test will be skipped"; }
 
-# gRPC's C++ library for the load generator's compiled sender (loadtest/native.py builds it on first
-# use). Best effort: without it the native-client tests skip and say why.
+# gRPC's C++ library (and Python's headers) for the load generator's compiled sender and the sidecar's
+# compiled gRPC front (sidecar/native_build.py builds them on first use). Best effort: without them
+# their tests skip and say why.
 native:
-	@test -f /usr/include/grpcpp/generic/generic_stub.h || { \
-	  (apt-get update -qq && apt-get install -y -qq g++ libgrpc++-dev) >/dev/null 2>&1 \
-	  || echo "libgrpc++-dev could not be installed: the native load generator's tests will be skipped"; }
+	@{ test -f /usr/include/grpcpp/generic/generic_stub.h && test -f "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h"; } || { \
+	  (apt-get update -qq && apt-get install -y -qq g++ libgrpc++-dev python3-dev) >/dev/null 2>&1 \
+	  || echo "libgrpc++-dev could not be installed: the compiled sender's and front's tests will be skipped"; }
 
 # Debian's grpc-java, its runtime jars and protoc plugin, and a JDK for the Java client (sidecar/java/,
 # built by sidecar/java_client.py, which names the packages; no Maven). Best effort: without them the
