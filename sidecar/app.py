@@ -179,7 +179,7 @@ class Sidecar:
             if self.tls is not None:
                 raise InvalidInput("sidecar.native_grpc_port serves plaintext only: turn it off with TLS "
                                    "(the main gRPC port serves TLS)")
-            self._front = NativeFront(servicer, asyncio.get_running_loop())
+            self._front = NativeFront(servicer, asyncio.get_running_loop(), backlog=s.transport_backlog)
             self.native_grpc_port = await asyncio.to_thread(self._front.start, s.host, s.native_grpc_port,
                                                             s.max_message_bytes)
         if s.http_port >= 0:

@@ -8,9 +8,10 @@ answers it itself while the event loop sleeps (`sidecar.event_loop`): one thread
 Anything else (a busy model, several texts, Search, a loop that is awake) goes to the event loop
 and the same servicer as the main port's, so replies, errors, metrics and limits are the same.
 
-Plaintext and one TCP port: TLS, the Unix socket, Stream, health and reflection stay on the main
-port. Needs the same loop the sidecar runs on to be a `SidecarLoop` for the answers on the gRPC
-thread; on any other loop every call goes to the loop.
+Calls handed to the loop past `sidecar.transport_backlog` waiting for it are refused on the gRPC
+thread (RESOURCE_EXHAUSTED), as gRPC's C core refuses them on the main port. Plaintext and one TCP
+port: TLS, the Unix socket, Stream, health and reflection stay on the main port. Answers on the
+gRPC thread need the sidecar's loop to be a `SidecarLoop`; on any other loop every call goes to it.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ import asyncio
 import logging
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from inference.errors import EmbedcarError, Internal, Unavailable
+from inference.errors import EmbedcarError, Internal, Overloaded, Unavailable
 from inference.grpc_io import EXPERIMENTS, POLLING_IO
 from sidecar.errors import grpc_code
 from sidecar.event_loop import idle_lock
@@ -49,10 +51,17 @@ def unavailable_reason() -> str | None:
 
 
 class NativeFront:
-    def __init__(self, servicer: EmbedderServicer, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, servicer: EmbedderServicer, loop: asyncio.AbstractEventLoop, *, backlog: int = 0) -> None:
+        """`backlog`: calls handed to the loop that may wait for it to take them; past it a call is
+        refused on the front's thread (RESOURCE_EXHAUSTED) without waking the loop, as gRPC's C core
+        does on the main port (sidecar.transport_backlog). 0 = no bound."""
         self._servicer = servicer
         self._loop = loop
         self._lock = idle_lock(loop)
+        self._backlog = backlog
+        self._waiting = 0  # handed to the loop, not yet taken by it
+        self._waiting_lock = threading.Lock()  # the front's threads and the loop's count together
+        self._shed = servicer.metrics.rejections.labels("shed")
         self._tasks: set[asyncio.Task[None]] = set()
         self._front: Any = None
         self.port = 0
@@ -106,10 +115,24 @@ class NativeFront:
                 call.reply(body)
                 return
             authenticated = True  # the key was checked and a rate-limit token taken: not again
+        with self._waiting_lock:
+            waiting = self._waiting
+            if not self._backlog or waiting < self._backlog:
+                self._waiting += 1
+        if self._backlog and waiting >= self._backlog:
+            self._shed.inc()
+            self._fail(call, rpc, Overloaded(f"the sidecar's event loop is behind ({waiting} calls wait for it); "
+                                             "retry shortly", retry_after_s=0.05))
+            return
         try:
             self._loop.call_soon_threadsafe(self._later, rpc, raw, key, deadline, call, authenticated)
         except RuntimeError:  # the loop has closed: the sidecar is gone
+            self._taken()
             self._fail(call, rpc, Unavailable("the sidecar is shutting down"))
+
+    def _taken(self) -> None:
+        with self._waiting_lock:
+            self._waiting -= 1
 
     def _fail(self, call: Any, rpc: str, exc: EmbedcarError) -> None:
         self._servicer.count_error(rpc, exc)
@@ -119,6 +142,7 @@ class NativeFront:
     # --- on the event loop --------------------------------------------------------------------------
     def _later(self, rpc: str, raw: bytes, key: str | None, deadline: float | None, call: Any,
                authenticated: bool) -> None:
+        self._taken()
         task = self._loop.create_task(self._answer(rpc, raw, key, deadline, call, authenticated))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -65,7 +65,9 @@ class SidecarSettings:
         "(refusing at random between it and twice it), gRPC refuses a new call itself, before any Python runs "
         "(~70 µs of CPU against ~500 µs for the cheapest refusal in a handler); the caller sees CANCELLED "
         "(inference.errors.Shed). Sized so that a call waits there about the admission budget at most: "
-        "admission_budget_ms ÷ ~0.5 ms of event-loop time per call. 0 = gRPC's defaults (1000 / 3000).",
+        "admission_budget_ms ÷ ~0.5 ms of event-loop time per call. The compiled front (native_grpc_port) "
+        "refuses past the same number of calls handed to the loop (RESOURCE_EXHAUSTED, on its own thread). "
+        "0 = gRPC's defaults (1000 / 3000), and no bound on the front.",
     )
     max_in_flight: int = setting(
         0, "HTTP requests and Stream messages in progress at once: beyond this many a new one is refused "

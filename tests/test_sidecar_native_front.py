@@ -133,6 +133,53 @@ def test_keys_and_rate_limits_apply_once_per_call(settings: Settings, onnx_backe
 
 
 @needs_front
+def test_calls_past_the_backlog_are_refused_at_once_while_the_loop_is_held(settings: Settings,
+                                                                          onnx_backend: OnnxBackend) -> None:
+    # The loop held for a second (as by a long stall): a burst of several-text calls (each handed to
+    # the loop) fills the backlog, and the calls past it come back refused without waiting for it.
+    thread = SidecarThread(front_settings(settings, transport_backlog=4, cache_entries=0), backend=onnx_backend)
+    with thread as sc:
+        target = front_target(sc)
+        with Client(target) as warm:
+            warm.embed(QUERIES[:2])
+        outcomes: list[tuple[str, float]] = []
+
+        def caller() -> None:
+            t0 = time.perf_counter()
+            with Client(target) as c:
+                try:
+                    c.embed(QUERIES[:2], timeout_s=30)
+                    outcomes.append(("ok", time.perf_counter() - t0))
+                except Overloaded as exc:
+                    assert exc.retry_after_s is not None and "event loop is behind" in exc.message
+                    outcomes.append(("refused", time.perf_counter() - t0))
+
+        held = threading.Event()
+
+        def shed() -> float:
+            return sc.metrics.registry.get_sample_value("embedcar_rejections_total", {"reason": "shed"}) or 0.0
+
+        def hold() -> None:  # runs on the loop: nothing else on it runs until every call has come in
+            held.set()
+            end = time.monotonic() + 20
+            while shed() < 8 and time.monotonic() < end:
+                time.sleep(0.01)
+
+        thread.loop.call_soon_threadsafe(hold)
+        assert held.wait(10)
+        callers = [threading.Thread(target=caller) for _ in range(12)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(60)
+        shed_count = shed()
+    # Four waited for the loop and were answered once it was free; the other eight were refused while
+    # it was still held (the loop counted them before it let go), i.e. without waiting for it.
+    assert sorted(kind for kind, _s in outcomes) == ["ok"] * 4 + ["refused"] * 8, outcomes
+    assert shed_count == 8
+
+
+@needs_front
 def test_the_front_stops_with_the_sidecar_and_frees_its_port(settings: Settings, onnx_backend: OnnxBackend) -> None:
     with SidecarThread(front_settings(settings), backend=onnx_backend) as sc:
         target = front_target(sc)
