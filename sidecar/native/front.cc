@@ -66,22 +66,27 @@ class Reactor : public grpc::ServerGenericBidiReactor {
   grpc::ByteBuffer request_, reply_;
 };
 
-PyObject* take(CallObject* self, Reactor** out) {
-  if (self->reactor == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, "this call was already answered");
-    return nullptr;
-  }
-  *out = self->reactor;
+// The call's reactor, taken once: null (and a RuntimeError set) if it was already answered.
+Reactor* take(CallObject* self) {
+  Reactor* reactor = self->reactor;
   self->reactor = nullptr;
-  return Py_None;
+  if (reactor == nullptr) PyErr_SetString(PyExc_RuntimeError, "this call was already answered");
+  return reactor;
+}
+
+// Ends a call Python left unanswered (a bug on the Python side): never leave the caller hanging.
+void fail_unanswered(CallObject* self, const char* message) {
+  Reactor* reactor = self->reactor;
+  self->reactor = nullptr;
+  if (reactor != nullptr) reactor->Fail(static_cast<int>(grpc::StatusCode::INTERNAL), message, "");
 }
 
 PyObject* call_reply(PyObject* obj, PyObject* args) {
   const char* data = nullptr;
   Py_ssize_t size = 0;
   if (!PyArg_ParseTuple(args, "y#", &data, &size)) return nullptr;
-  Reactor* reactor = nullptr;
-  if (take(reinterpret_cast<CallObject*>(obj), &reactor) == nullptr) return nullptr;
+  Reactor* reactor = take(reinterpret_cast<CallObject*>(obj));
+  if (reactor == nullptr) return nullptr;
   std::string body(data, static_cast<size_t>(size));
   Py_BEGIN_ALLOW_THREADS reactor->Reply(std::move(body));
   Py_END_ALLOW_THREADS Py_RETURN_NONE;
@@ -96,20 +101,15 @@ PyObject* call_fail(PyObject* obj, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "a failure's code is a gRPC status number 1-16");
     return nullptr;
   }
-  Reactor* reactor = nullptr;
-  if (take(reinterpret_cast<CallObject*>(obj), &reactor) == nullptr) return nullptr;
+  Reactor* reactor = take(reinterpret_cast<CallObject*>(obj));
+  if (reactor == nullptr) return nullptr;
   std::string msg(message), retry(retry_after ? retry_after : "");
   Py_BEGIN_ALLOW_THREADS reactor->Fail(code, std::move(msg), retry);
   Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
 void call_dealloc(PyObject* obj) {
-  auto* self = reinterpret_cast<CallObject*>(obj);
-  if (self->reactor != nullptr) {  // a bug on the Python side: never leave the caller hanging
-    Reactor* reactor = self->reactor;
-    self->reactor = nullptr;
-    reactor->Fail(static_cast<int>(grpc::StatusCode::INTERNAL), "the sidecar dropped this call unanswered", "");
-  }
+  fail_unanswered(reinterpret_cast<CallObject*>(obj), "the sidecar dropped this call unanswered");
   Py_TYPE(obj)->tp_free(obj);
 }
 
@@ -171,11 +171,7 @@ void Reactor::OnReadDone(bool ok) {
   Py_XDECREF(py_key);
   if (result == nullptr) {  // the handler raised: a bug, reported (no traceback kept), the call failed
     PyErr_WriteUnraisable(handler_);
-    if (call->reactor != nullptr) {
-      Reactor* reactor = call->reactor;
-      call->reactor = nullptr;
-      reactor->Fail(static_cast<int>(grpc::StatusCode::INTERNAL), "the sidecar failed to take this call", "");
-    }
+    fail_unanswered(call, "the sidecar failed to take this call");
   }
   Py_XDECREF(result);
   Py_DECREF(reinterpret_cast<PyObject*>(call));  // unanswered and unreferenced: dealloc fails it
