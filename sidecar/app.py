@@ -207,6 +207,8 @@ class Sidecar:
     def _switched(self, m: ServedModel) -> None:
         """A model version went into service (at start, or by a rollout)."""
         m.health.on_down = lambda: self._spawn(self._set_health(self.can_answer))
+        if self._front is not None:
+            self._front.calls(m.backend)
         self.metrics.model_info.clear()
         for served in self.models:
             self.metrics.model_info.labels(served.name, served.version_id).set(1)

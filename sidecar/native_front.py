@@ -8,6 +8,12 @@ answers it itself while the event loop sleeps (`sidecar.event_loop`): one thread
 Anything else (a busy model, several texts, Search, a loop that is awake) goes to the event loop
 and the same servicer as the main port's, so replies, errors, metrics and limits are the same.
 
+On the Triton backend the front's thread makes the Triton call itself, through the module's
+blocking client (`open_channel`), and lets go of the loop while it waits: the loop may run meanwhile,
+and the thread takes the loop's lock again before it touches the pipeline's state. Neither the
+server's nor the client's grpc.aio side wakes for such a query (at most BLOCKING_CALLS wait at once;
+more go to the loop's client).
+
 Calls handed to the loop past `sidecar.transport_backlog` waiting for it are refused on the gRPC
 thread (RESOURCE_EXHAUSTED), as gRPC's C core refuses them on the main port. Plaintext and one TCP
 port: TLS, the Unix socket, Stream, health and reflection stay on the main port. Answers on the
@@ -17,18 +23,23 @@ gRPC thread need the sidecar's loop to be a `SidecarLoop`; on any other loop eve
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from inference.backends.base import Backend
+from inference.backends.triton import BlockingCall, CallFailed, TritonBackend
 from inference.errors import EmbedcarError, Internal, Overloaded, Unavailable
 from inference.grpc_io import EXPERIMENTS, POLLING_IO
+from inference.triton.tls import ClientCredentials
 from sidecar.errors import grpc_code
 from sidecar.event_loop import idle_lock
 from sidecar.grpc_server import SERVICE, EmbedderServicer
@@ -39,6 +50,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "native" / "front.cc"
 METHODS = {f"/{SERVICE}/Embed": "embed", f"/{SERVICE}/Search": "search"}
 _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
+_STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
 def unavailable_reason() -> str | None:
@@ -48,6 +60,33 @@ def unavailable_reason() -> str | None:
     except Unavailable as exc:
         return exc.message
     return None
+
+
+def open_channel(url: str, options: list[tuple[str, int | str]], credentials: ClientCredentials | None, *,
+                 lock: threading.Lock | None = None, holding: threading.local | None = None) -> BlockingCall:
+    """A blocking channel to `url` on the compiled client (TLS with `credentials`). A call made by a
+    thread whose `holding.held` is set lets go of `lock` (the loop's idle lock) while it waits."""
+    module: Any = load_module(SOURCE, "embedcar_front")
+    tls = (credentials.root_ca, credentials.private_key, credentials.cert_chain) if credentials else ()
+    channel = module.Channel(url, options, *tls)
+    idle = lock if holding is not None else None
+
+    def wait(method: str, request: bytes, timeout_s: float, metadata: Sequence[tuple[str, str]]) -> bytes:
+        code, details, reply = channel.call(method, request, timeout_s, metadata)
+        if code:
+            raise CallFailed(_STATUS_NAMES.get(code, str(code)), details)
+        return bytes(reply)
+
+    def call(method: str, request: bytes, timeout_s: float, metadata: Sequence[tuple[str, str]]) -> bytes:
+        if idle is None or not getattr(holding, "held", False):
+            return wait(method, request, timeout_s, metadata)
+        idle.release()
+        try:
+            return wait(method, request, timeout_s, metadata)
+        finally:
+            idle.acquire()  # the loop finishes what it runs, then waits in its selector
+
+    return call
 
 
 class NativeFront:
@@ -63,6 +102,8 @@ class NativeFront:
         self._waiting_lock = threading.Lock()  # the front's threads and the loop's count together
         self._shed = servicer.metrics.rejections.labels("shed")
         self._tasks: set[asyncio.Task[None]] = set()
+        self._holding = threading.local()  # .held: this front thread holds the loop's idle lock
+        self._module: Any = None
         self._front: Any = None
         self.port = 0
 
@@ -73,6 +114,7 @@ class NativeFront:
         except Unavailable as exc:
             raise Unavailable(f"sidecar.native_grpc_port: the compiled gRPC front cannot be built here: "
                               f"{exc.message}") from exc
+        self._module = module
         ours = os.environ.get(EXPERIMENTS) == POLLING_IO  # names only grpcio knows: the C++ library would
         if ours:                                           # log each as unknown when it starts
             del os.environ[EXPERIMENTS]
@@ -83,6 +125,11 @@ class NativeFront:
                 os.environ[EXPERIMENTS] = POLLING_IO
         self.port = int(self._front.port)
         return self.port
+
+    def calls(self, backend: Backend) -> None:
+        """Let the front's threads make `backend`'s calls themselves where it has blocking ones (Triton)."""
+        if isinstance(backend, TritonBackend) and self._module is not None and self._lock is not None:
+            backend.use_blocking_channels(functools.partial(open_channel, lock=self._lock, holding=self._holding))
 
     async def stop(self, grace_s: float) -> None:
         """Refuse new calls; calls in flight finish on the loop within `grace_s` (so it must keep running)."""
@@ -101,7 +148,8 @@ class NativeFront:
         authenticated = False
         lock = self._lock
         if rpc == "embed" and lock is not None and lock.acquire(blocking=False):
-            try:  # the loop sleeps and cannot wake into the pipeline until this returns
+            self._holding.held = True
+            try:  # the loop sleeps and cannot wake into the pipeline until this returns (or lets it)
                 body = self._servicer.embed_now(raw, key, deadline)
             except EmbedcarError as exc:
                 self._fail(call, rpc, exc)
@@ -110,6 +158,7 @@ class NativeFront:
                 self._fail(call, rpc, Internal(f"unexpected error: {type(exc).__name__}"))
                 return
             finally:
+                self._holding.held = False
                 lock.release()
             if body is not None:
                 call.reply(body)

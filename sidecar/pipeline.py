@@ -27,7 +27,7 @@ from inference.tokenizer import Encoded, QueryTokenizer
 from sidecar.admission import Admission
 from sidecar.cache import EmbeddingCache, Entry
 from sidecar.metrics import ModelMetrics
-from sidecar.scheduler import Computed, Scheduler
+from sidecar.scheduler import Computed, NotNow, Scheduler
 from sidecar.timings import Timings
 
 # Tokenizing one short query takes ~16 µs, less than a thread hop: only big batches leave the loop.
@@ -88,7 +88,8 @@ class EmbedPipeline:
 
     def run_now(self, texts: Sequence[object], deadline: float, tm: Timings) -> Embedded | None:
         """`run` on the calling thread for one text that needs no waiting: a cache hit, or a miss no
-        other request is computing while the micro-batcher can run it at once (Scheduler.can_run_now).
+        other request is computing while the scheduler can run it at once (Scheduler.can_run_now: the
+        idle micro-batcher, or a Triton call this thread waits for while the loop runs meanwhile).
         None, with nothing counted, for anything else: the caller then awaits `run` on the loop.
         Only while the loop cannot run (sidecar.event_loop): the cache, batcher and admission are its."""
         if len(texts) != 1:
@@ -106,7 +107,6 @@ class EmbedPipeline:
             tm.cache = time.perf_counter_ns() - t0
             out[0] = hit.vector
             return Embedded(out, [True], [hit.truncated], [hit.tokens])
-        self.metrics.cache_misses.inc()
         t1 = time.perf_counter_ns()
         tm.cache = t1 - t0
         try:
@@ -118,9 +118,13 @@ class EmbedPipeline:
                 computed = self.scheduler.run_now(bucket, [enc.ids[0]], deadline)
             finally:
                 self.admission.release(ticket)
+        except NotNow:
+            return None  # counted by `run` on the loop
         except BaseException as exc:
+            self.metrics.cache_misses.inc()
             self._record_error(exc)
             raise
+        self.metrics.cache_misses.inc()
         entry = Entry(computed.embeddings[0], enc.truncated[0], len(enc.ids[0]))
         self.cache.put(key, entry)
         self.metrics.cache_entries.set(len(self.cache))

@@ -3,7 +3,9 @@
     MicroBatcher (sidecar/batcher.py)  a backend that does not batch itself (embedded ORT): merge
                                        what queues up per bucket into one forward pass
     DirectScheduler                    a backend that batches itself (Triton): one call per chunk,
-                                       the deadline as the call's timeout
+                                       the deadline as the call's timeout; run_now waits for it on
+                                       the calling thread (the compiled front's) where the backend
+                                       has blocking calls
     FallbackScheduler                  the primary while its backend is up, else the fallback
 
 The micro-batcher teaches admission control the cost of each forward pass (`Admission.observe`),
@@ -24,6 +26,16 @@ from inference.backends.base import Backend, Embeddings
 from inference.errors import DeadlineExceeded, Unavailable
 from inference.tokenizer import QueryTokenizer
 from sidecar.metrics import ModelMetrics
+
+# Triton calls waiting at once on the compiled front's threads (DirectScheduler.run_now); more go to the
+# event loop's asynchronous client. The front's gRPC threads are few (about one per core): a thread
+# waiting for Triton cannot take another call.
+BLOCKING_CALLS = 2
+
+
+class NotNow(Exception):  # a hand-over to the loop, not an error
+    """run_now cannot answer after all (its backend did not answer: whether it is down, and the fallback
+    answers, is for the loop's `run` to find): nothing was answered, the caller hands the request to `run`."""
 
 
 class Computed(NamedTuple):
@@ -65,18 +77,47 @@ class DirectScheduler(Scheduler):
         self._tokenizer = tokenizer
         self._metrics = metrics
 
+        self._blocking = 0  # run_now calls waiting for the backend (counted while the loop sleeps)
+
+    @staticmethod
+    def _timeout(deadline: float | None) -> float | None:
+        if deadline is None:
+            return None
+        timeout = deadline - time.monotonic()
+        if timeout <= 0:
+            raise DeadlineExceeded("deadline expired before inference")
+        return timeout
+
     async def run(self, bucket: int, ids: list[list[int]], deadline: float | None) -> Computed:
-        timeout = None
-        if deadline is not None:
-            timeout = deadline - time.monotonic()
-            if timeout <= 0:
-                raise DeadlineExceeded("deadline expired before inference")
+        timeout = self._timeout(deadline)
         batch = self._tokenizer.batch(ids, length=bucket)
         t0 = time.perf_counter_ns()
         emb = await self.backend.embed(batch, timeout_s=timeout)
+        return self._computed(emb, len(ids), t0)
+
+    def _computed(self, emb: Embeddings, rows: int, t0: int) -> Computed:
         dt = time.perf_counter_ns() - t0
-        self._metrics.batch_size.observe(len(ids))
+        self._metrics.batch_size.observe(rows)
         return Computed(emb, 0, dt, self.backend.name)
+
+    def can_run_now(self) -> bool:
+        return self._blocking < BLOCKING_CALLS and self.backend.blocking_ready()
+
+    def run_now(self, bucket: int, ids: list[list[int]], deadline: float | None) -> Computed:
+        """One blocking call on the calling thread (the compiled front's); the call's channel lets the
+        event loop run while it waits (sidecar.native_front)."""
+        timeout = self._timeout(deadline)
+        batch = self._tokenizer.batch(ids, length=bucket)
+        t0 = time.perf_counter_ns()
+        self._blocking += 1
+        try:
+            emb = self.backend.embed_blocking(batch, timeout_s=timeout)
+        except Unavailable as exc:  # whether the backend is down (and the fallback answers) is run()'s call
+            raise NotNow from exc
+        finally:
+            self._blocking -= 1
+        self._metrics.passes_on_front.inc()
+        return self._computed(emb, len(ids), t0)
 
 
 class BackendHealth:

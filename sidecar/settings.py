@@ -20,8 +20,9 @@ class SidecarSettings:
     native_grpc_port: int = setting(
         -1, "Also serve Embed and Search over gRPC on this port from the compiled front (gRPC's C++ library, "
         "built on first use; sidecar/native_front.py): a query that needs no waiting is answered on the gRPC "
-        "thread that took it, ~0.2 ms less CPU per call than the main port (docs/benchmarks.md). Plaintext "
-        "TCP only; Stream, health and reflection stay on grpc_port. 0 = pick a free one, -1 = off."
+        "thread that took it (on the Triton backend that thread makes the Triton call itself), 0.1-0.5 ms less "
+        "CPU per call than the main port (docs/benchmarks.md). Plaintext TCP only; Stream, health and "
+        "reflection stay on grpc_port. 0 = pick a free one, -1 = off."
     )
     http_port: int = setting(8080, "HTTP facade port (0 = pick a free one, -1 = off).")
     models: tuple[str, ...] = setting(

@@ -134,3 +134,48 @@ async def test_requests_stand_in_for_probes_while_they_flow_an_idle_url_is_probe
         assert backend.ready()
     finally:
         await backend.close()
+
+
+def _compiled_channels() -> Any:
+    """The compiled front's blocking client (sidecar.native_front.open_channel), or a skip saying why."""
+    from sidecar.native_front import open_channel, unavailable_reason
+
+    why = unavailable_reason()
+    if why is not None:
+        pytest.skip(f"the compiled gRPC client cannot build here: {why}")
+    return open_channel
+
+
+async def test_blocking_calls_answer_and_steer_around_failing_endpoints_like_the_async_ones(
+        fakes: tuple[FakeTriton, FakeTriton], manifest: Manifest) -> None:
+    """embed_blocking (the compiled front's Triton calls, made on its own thread): the same answer,
+    the same round-robin over URLs that are up, each failing URL named with its own error."""
+    a, b = fakes
+    backend = TritonBackend([a.url, b.url], manifest, timeout_s=5.0, probe_interval_s=60.0)
+    await backend.start()
+    try:
+        assert not backend.blocking_ready()  # no channels given: the front does not use it
+        backend.use_blocking_channels(_compiled_channels())
+        assert backend.blocking_ready()
+        before = a.infers + b.infers
+        for _ in range(4):  # the fakes run on this loop: the blocking call waits on another thread
+            got = await asyncio.to_thread(backend.embed_blocking, _batch())
+            assert got.shape == (1, manifest.dim) and got.dtype == np.float32
+        assert a.infers + b.infers - before == 4 and min(a.infers, b.infers) >= 2  # both URLs, in turn
+
+        a.refuse = "fake A is draining"
+        dead = b.url
+        await b.stop()
+        with pytest.raises(Unavailable) as info:
+            await asyncio.to_thread(backend.embed_blocking, _batch())
+        msg = info.value.message
+        assert f"Triton {a.url}: fake A is draining" in msg
+        named = re.search(rf"Triton {re.escape(dead)}: ([^;]*)", msg)
+        assert named is not None and "draining" not in named.group(1) and named.group(1).strip(), msg
+        # Outages are the asynchronous client's to mark: it finds both down on its next call.
+        assert backend.ready()
+        with pytest.raises(Unavailable):
+            await backend.embed(_batch())
+        assert not backend.ready() and not backend.blocking_ready()
+    finally:
+        await backend.close()

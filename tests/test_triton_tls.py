@@ -361,6 +361,25 @@ def test_sidecar_embeds_and_searches_through_hardened_triton(hs: Settings, groce
         assert [h.id for h in c.search(["oat milk"], k=5).hits[0]] == hits and len(hits) == 5
 
 
+def test_the_compiled_fronts_own_triton_calls_go_over_tls_with_the_key(hs: Settings, onnx_backend: OnnxBackend,
+                                                                       tokenizer: QueryTokenizer) -> None:
+    """The compiled gRPC front calls a hardened Triton itself (its blocking client): TLS with the pool's
+    CA and the client key's header, as the asynchronous client does."""
+    from sidecar.native_front import unavailable_reason
+    from tests.test_sidecar_native_front import front_target, passes
+
+    if (why := unavailable_reason()) is not None:
+        pytest.skip(f"the compiled front cannot build here: {why}")
+    s = sidecar_settings(hs.with_section("triton", timeout_ms=30_000, probe_interval_s=0.2), backend="triton",
+                         http_port=-1, native_grpc_port=0, cache_entries=0, embedded_fallback=False)
+    with SidecarThread(s) as sc, Client(front_target(sc)) as c:
+        before = passes(sc, "front")
+        r = c.embed(["organic whole milk"])
+        assert r.backend == "triton" and passes(sc, "front") == before + 1  # called from the front's thread
+        want = onnx_backend.embed_sync(tokenizer.batch(tokenizer.encode(["organic whole milk"]).ids, length=16))
+        assert float(np.sum(r.embeddings[0] * want[0])) >= 0.9999
+
+
 def test_compose_triton_command_serves_hardened(settings: Settings, model_dir: Path, pool: PoolFiles,
                                                 tmp_path: Path) -> None:
     """docker-compose.yml's Triton command line, run by /bin/sh as compose would (keys via `$(cat …)`),

@@ -40,6 +40,14 @@ class Backend(ABC):
         """`embed` computed in the calling thread; only where `runs_inline`."""
         raise NotImplementedError(f"{self.name} cannot compute in the caller's thread")
 
+    def blocking_ready(self) -> bool:
+        """`embed_blocking` can be called now (the Triton backend, once given blocking channels)."""
+        return False
+
+    def embed_blocking(self, batch: TokenBatch, *, timeout_s: float | None = None) -> Embeddings:
+        """`embed` waiting for its server in the calling thread, which must not be the event loop's."""
+        raise NotImplementedError(f"{self.name} has no blocking calls")
+
     @abstractmethod
     def ready(self) -> bool:
         """Can serve now (started, warmed, and its server, if any, reachable)."""

@@ -15,6 +15,10 @@ The hot path builds Triton's `ModelInferRequest` itself, with the ids as raw lit
 and reads the embedding straight from `raw_output_contents`: tritonclient's aio client does the
 same on the wire but cost ~0.35 ms more per call on the reference machine (InferInput/InferResult
 wrapping), a quarter of the Triton hop's whole budget (docs/benchmarks.md).
+
+`embed_blocking` makes the same call from a thread that waits for it, through channels the caller
+provides (`use_blocking_channels`): the sidecar's compiled gRPC front makes a sparse query's Triton
+call on the gRPC thread that took it, without waking the event loop (sidecar/native_front.py).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +55,21 @@ DEADLINE_PARAM = "embedcar_deadline_ns"
 EXPIRED = "request timeout expired before the encoder ran"
 # Leading tokens the pooling leaves out (a prompt the model pools without): sent only when not 0.
 POOL_SKIP_PARAM = "embedcar_pool_skip"
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+# A blocking unary call on one channel: (method, request bytes, timeout_s, metadata) -> reply bytes,
+# raising CallFailed for a status other than OK; and what opens one: (url, channel options, credentials).
+BlockingCall = Callable[[str, bytes, float, Sequence[tuple[str, str]]], bytes]
+OpenChannel = Callable[[str, list[tuple[str, int | str]], ClientCredentials | None], BlockingCall]
+
+
+class CallFailed(Exception):
+    """A blocking call's status other than OK: `code` is gRPC's name for it (UNAVAILABLE, ...)."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
 
 
 class VersionNotServed(Unavailable):
@@ -81,6 +100,8 @@ def map_error(exc: Exception, url: str) -> EmbedcarError:
         return DeadlineExceeded(f"Triton {url}: deadline exceeded")
     if isinstance(exc, grpc.aio.AioRpcError):
         status, msg = str(exc.code()), f"Triton {url}: {exc.details()}"
+    elif isinstance(exc, CallFailed):
+        status, msg = exc.code, f"Triton {url}: {exc.details}"
     elif isinstance(exc, InferenceServerException):
         status, msg = str(exc.status() or ""), f"Triton {url}: {exc.message()}"
     else:
@@ -123,6 +144,7 @@ class _Endpoint:
     down_since: float = 0.0
     answered: float = float("-inf")  # when a request last succeeded here (time.monotonic)
     error: EmbedcarError | None = None  # why the latest probe failed (start-up names it)
+    blocking: BlockingCall | None = None  # embed_blocking's channel, opened on first use
 
 
 class TritonBackend(Backend):
@@ -154,13 +176,11 @@ class TritonBackend(Backend):
         self._probe_task: asyncio.Task[None] | None = None
         self._input_types: dict[str, Any] = {}
         self._started = False
+        self._open_blocking: OpenChannel | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
-    def _endpoint(self, url: str) -> _Endpoint:
-        import grpc
-        from tritonclient.grpc import service_pb2_grpc
-
-        options = [
+    def _channel_options(self) -> list[tuple[str, int | str]]:
+        options: list[tuple[str, int | str]] = [
             ("grpc.max_send_message_length", _MAX_MSG),
             ("grpc.max_receive_message_length", _MAX_MSG),
             # Pings only while calls are in flight: Triton's default server policy answers idle pings
@@ -174,12 +194,24 @@ class TritonBackend(Backend):
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
+        return options + (self.credentials.channel_options() if self.credentials else [])
+
+    def _endpoint(self, url: str) -> _Endpoint:
+        import grpc
+        from tritonclient.grpc import service_pb2_grpc
+
+        options = self._channel_options()
         if self.credentials is None:
             channel = grpc.aio.insecure_channel(url, options=options)
         else:  # never a plaintext retry: a TLS channel fails or speaks TLS
-            channel = grpc.aio.secure_channel(url, self.credentials.channel_credentials(),
-                                              options=options + self.credentials.channel_options())
+            channel = grpc.aio.secure_channel(url, self.credentials.channel_credentials(), options=options)
         return _Endpoint(url, channel, service_pb2_grpc.GRPCInferenceServiceStub(channel))
+
+    def use_blocking_channels(self, open_channel: OpenChannel | None) -> None:
+        """Let `embed_blocking` call each URL through a channel `open_channel` opens (None: no more)."""
+        self._open_blocking = open_channel
+        for ep in self._endpoints:
+            ep.blocking = None
 
     async def start(self) -> None:
         """Connect to every URL, learn the ensemble's input types, fail if none is ready."""
@@ -330,6 +362,7 @@ class TritonBackend(Backend):
                 await self._probe_task
             self._probe_task = None
         for ep in self._endpoints:
+            ep.blocking = None
             with contextlib.suppress(Exception):
                 await ep.channel.close()
         self._endpoints = []
@@ -365,7 +398,8 @@ class TritonBackend(Backend):
         rotated = self._endpoints[start:] + self._endpoints[:start]
         return [ep for ep in rotated if ep.up] + [ep for ep in rotated if not ep.up]
 
-    async def embed(self, batch: TokenBatch, *, timeout_s: float | None = None) -> Embeddings:
+    def _checked(self, batch: TokenBatch, timeout_s: float | None) -> tuple[Any, float]:
+        """The request for `batch` and its timeout; InvalidInput for a batch Triton must not see."""
         if not self._started:
             raise Unavailable("Triton backend not started")
         b, n = batch.shape
@@ -377,25 +411,65 @@ class TritonBackend(Backend):
             if arr.shape != (b, n):
                 raise InvalidInput(f"{name} is shaped {arr.shape}, input_ids {(b, n)}: malformed batch")
         timeout = timeout_s or self.timeout_s
-        request = self._request(batch, timeout)
+        return self._request(batch, timeout), timeout
+
+    def _answered(self, ep: _Endpoint, reply: Any, rows: int) -> Embeddings:
+        emb = self._embedding(reply)
+        if emb is None or emb.shape != (rows, self.dim):
+            raise Internal(f"Triton returned {None if emb is None else emb.shape}, expected {(rows, self.dim)}")
+        self._mark(ep, True)
+        ep.answered = time.monotonic()
+        return emb.astype(np.float32, copy=False)
+
+    async def embed(self, batch: TokenBatch, *, timeout_s: float | None = None) -> Embeddings:
+        request, timeout = self._checked(batch, timeout_s)
         failed: list[tuple[EmbedcarError, Exception]] = []
         for ep in self._order():
             try:
-                emb = self._embedding(await ep.stub.ModelInfer(request, timeout=timeout, metadata=self._md))
+                reply = await ep.stub.ModelInfer(request, timeout=timeout, metadata=self._md)
             except Exception as exc:
                 err = map_error(exc, ep.url)
                 if isinstance(err, VersionNotServed):
                     err = ep.error = await self._not_served(ep, err.message)
-                if isinstance(err, Unavailable | CredentialsRefused):
-                    self._mark(ep, False)
-                    failed.append((err, exc))
-                    continue  # another URL may be up; embeddings are idempotent, so retry is safe
-                raise err from exc
-            if emb is None or emb.shape != (b, self.dim):
-                raise Internal(f"Triton returned {None if emb is None else emb.shape}, expected {(b, self.dim)}")
-            self._mark(ep, True)
-            ep.answered = time.monotonic()
-            return emb.astype(np.float32, copy=False)
+                if not isinstance(err, Unavailable | CredentialsRefused):
+                    raise err from exc
+                self._mark(ep, False)
+                failed.append((err, exc))
+                continue  # another URL may be up; embeddings are idempotent, so retry is safe
+            return self._answered(ep, reply, batch.shape[0])
+        raise all_failed(failed)
+
+    def blocking_ready(self) -> bool:
+        return self._open_blocking is not None and self.ready()
+
+    def embed_blocking(self, batch: TokenBatch, *, timeout_s: float | None = None) -> Embeddings:
+        """`embed` through the blocking channels (use_blocking_channels), waiting in this thread, over
+        the URLs that are up. Outages stay the asynchronous client's and the probes' to decide: a URL
+        that does not answer here is not marked down (its blocking channel may still be backing off
+        after a restart the probes have seen); Unavailable when none answered."""
+        from tritonclient.grpc import service_pb2 as pb
+
+        open_channel = self._open_blocking
+        if open_channel is None:
+            raise Unavailable("the Triton backend was given no blocking channels")
+        request, timeout = self._checked(batch, timeout_s)
+        raw = request.SerializeToString()
+        md = self._md or ()
+        failed: list[tuple[EmbedcarError, Exception]] = []
+        for ep in self._order():
+            if not ep.up:
+                continue
+            try:
+                if ep.blocking is None:
+                    ep.blocking = open_channel(ep.url, self._channel_options(), self.credentials)
+                reply = pb.ModelInferResponse.FromString(ep.blocking(MODEL_INFER, raw, timeout, md))
+            except Exception as exc:
+                err = map_error(exc, ep.url)
+                if not isinstance(err, Unavailable | CredentialsRefused):
+                    raise err from exc
+                failed.append((err, exc))
+                continue
+            return self._answered(ep, reply, batch.shape[0])
         raise all_failed(failed)
 
     # --- statistics --------------------------------------------------------------------------

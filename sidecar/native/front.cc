@@ -12,12 +12,23 @@
 //   call.reply(body: bytes); call.fail(code: int, message: str, retry_after: str | None = None)
 //
 // Methods other than those the handler serves are answered by the handler (it fails them).
+//
+// It is also a blocking client, for the backend calls the front's thread makes itself (the Triton
+// backend's ModelInfer): the call polls its own completion queue on the calling thread, the GIL
+// released, so no other thread wakes for it (a grpc.aio client call wakes the poller and the loop).
+//
+//   channel = embedcar_front.Channel(target, options, root_pem=None, key_pem=None, cert_pem=None)
+//   code, details, reply = channel.call(method, request: bytes, timeout_s, metadata)  # reply None unless code 0
+//
+// `options`: gRPC channel arguments as (name, int | str) pairs; root_pem set = TLS.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -32,6 +43,14 @@ constexpr char kApiKey[] = "x-api-key";
 constexpr char kRetryAfter[] = "x-retry-after-s";  // sidecar/errors.py RETRY_AFTER_KEY
 
 class Reactor;
+
+std::string joined(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  (void)buffer.Dump(&slices);
+  std::string out;
+  for (const auto& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return out;
+}
 
 // The Python side of one call: ends it once (reply or fail); a Call dropped unanswered fails it.
 struct CallObject {
@@ -134,10 +153,7 @@ void Reactor::OnReadDone(bool ok) {
     Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the call carried no request message"));
     return;
   }
-  std::vector<grpc::Slice> slices;
-  (void)request_.Dump(&slices);
-  std::string body;
-  for (const auto& s : slices) body.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  std::string body = joined(request_);
   std::string key;
   bool has_key = false;
   for (const auto& [k, v] : ctx_->client_metadata()) {
@@ -155,6 +171,13 @@ void Reactor::OnReadDone(bool ok) {
   const std::string& method = ctx_->method();
 
   PyGILState_STATE gil = PyGILState_Ensure();
+  // Keep this gRPC thread's Python thread state between calls (one Ensure never released): without it
+  // every call creates and destroys one (its frame stack mapped and unmapped, thread-locals lost).
+  static thread_local bool pinned = false;
+  if (!pinned) {
+    (void)PyGILState_Ensure();
+    pinned = true;
+  }
   auto* call = PyObject_New(CallObject, &kCallType);
   if (call == nullptr) {
     PyErr_Clear();
@@ -282,19 +305,170 @@ PyTypeObject kFrontType = [] {
   return t;
 }();
 
+// --- the blocking client ------------------------------------------------------------------------
+struct ChannelObject {
+  PyObject_HEAD std::shared_ptr<grpc::Channel>* channel;
+  grpc::GenericStub* stub;
+};
+
+// Reads a str or bytes argument that may be None; false (an error set) for anything else.
+bool optional_text(PyObject* value, const char* what, std::string* out, bool* given) {
+  *given = value != nullptr && value != Py_None;
+  if (!*given) return true;
+  char* data = nullptr;
+  Py_ssize_t size = 0;
+  if (PyBytes_Check(value)) {
+    if (PyBytes_AsStringAndSize(value, &data, &size) < 0) return false;
+  } else if (PyUnicode_Check(value)) {
+    const char* utf8 = PyUnicode_AsUTF8AndSize(value, &size);
+    if (utf8 == nullptr) return false;
+    data = const_cast<char*>(utf8);
+  } else {
+    PyErr_Format(PyExc_TypeError, "%s must be bytes, str or None", what);
+    return false;
+  }
+  out->assign(data, static_cast<size_t>(size));
+  return true;
+}
+
+int channel_init(PyObject* obj, PyObject* args, PyObject*) {
+  auto* self = reinterpret_cast<ChannelObject*>(obj);
+  const char* target = nullptr;
+  PyObject *options = nullptr, *root = nullptr, *key = nullptr, *cert = nullptr;
+  if (!PyArg_ParseTuple(args, "sO|OOO", &target, &options, &root, &key, &cert)) return -1;
+  if (self->channel != nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "already open");
+    return -1;
+  }
+  grpc::ChannelArguments arguments;
+  PyObject* seq = PySequence_Fast(options, "options must be a sequence of (name, value) pairs");
+  if (seq == nullptr) return -1;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    const char* name = nullptr;
+    PyObject* value = nullptr;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "sO", &name, &value)) {
+      Py_DECREF(seq);
+      return -1;
+    }
+    if (PyLong_Check(value)) {
+      arguments.SetInt(name, static_cast<int>(PyLong_AsLong(value)));
+    } else if (PyUnicode_Check(value)) {
+      arguments.SetString(name, PyUnicode_AsUTF8(value));
+    } else {
+      Py_DECREF(seq);
+      PyErr_Format(PyExc_TypeError, "channel option %s must be an int or a str", name);
+      return -1;
+    }
+  }
+  Py_DECREF(seq);
+  grpc::SslCredentialsOptions tls;
+  bool has_root = false, has_key = false, has_cert = false;
+  if (!optional_text(root, "root_pem", &tls.pem_root_certs, &has_root) ||
+      !optional_text(key, "key_pem", &tls.pem_private_key, &has_key) ||
+      !optional_text(cert, "cert_pem", &tls.pem_cert_chain, &has_cert))
+    return -1;
+  auto credentials = has_root ? grpc::SslCredentials(tls) : grpc::InsecureChannelCredentials();
+  self->channel = new std::shared_ptr<grpc::Channel>(grpc::CreateCustomChannel(target, credentials, arguments));
+  self->stub = new grpc::GenericStub(*self->channel);
+  return 0;
+}
+
+PyObject* channel_call(PyObject* obj, PyObject* args) {
+  auto* self = reinterpret_cast<ChannelObject*>(obj);
+  const char* method = nullptr;
+  const char* data = nullptr;
+  Py_ssize_t size = 0;
+  double timeout_s = 0;
+  PyObject* metadata = nullptr;
+  if (!PyArg_ParseTuple(args, "sy#dO", &method, &data, &size, &timeout_s, &metadata)) return nullptr;
+  if (self->stub == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "the channel is not open");
+    return nullptr;
+  }
+  std::vector<std::pair<std::string, std::string>> headers;
+  PyObject* seq = PySequence_Fast(metadata, "metadata must be a sequence of (key, value) pairs");
+  if (seq == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    const char *k = nullptr, *v = nullptr;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "ss", &k, &v)) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    headers.emplace_back(k, v);
+  }
+  Py_DECREF(seq);
+  std::string name(method);
+  grpc::Slice slice(data, static_cast<size_t>(size));  // copied: the bytes are Python's
+  grpc::ByteBuffer request(&slice, 1), response;
+  grpc::Status status;
+  Py_BEGIN_ALLOW_THREADS grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::microseconds(static_cast<int64_t>(std::max(timeout_s, 0.0) * 1e6)));
+  for (const auto& [k, v] : headers) context.AddMetadata(k, v);
+  grpc::CompletionQueue queue;  // this call's own: polled here, by the calling thread
+  {
+    auto rpc = self->stub->PrepareUnaryCall(&context, name, request, &queue);
+    rpc->StartCall();
+    rpc->Finish(&response, &status, &queue);
+    void* tag = nullptr;
+    bool ok = false;
+    (void)queue.Next(&tag, &ok);
+  }
+  queue.Shutdown();
+  void* tag = nullptr;
+  bool ok = false;
+  while (queue.Next(&tag, &ok)) {
+  }
+  Py_END_ALLOW_THREADS if (!status.ok()) {
+    const std::string& details = status.error_message();
+    return Py_BuildValue("is#O", static_cast<int>(status.error_code()), details.data(),
+                         static_cast<Py_ssize_t>(details.size()), Py_None);
+  }
+  std::string body = joined(response);
+  return Py_BuildValue("isy#", 0, "", body.data(), static_cast<Py_ssize_t>(body.size()));
+}
+
+void channel_dealloc(PyObject* obj) {
+  auto* self = reinterpret_cast<ChannelObject*>(obj);
+  delete self->stub;
+  delete self->channel;
+  Py_TYPE(obj)->tp_free(obj);
+}
+
+PyMethodDef kChannelMethods[] = {
+    {"call", channel_call, METH_VARARGS,
+     "call(method, request, timeout_s, metadata) -> (code, details, reply): one unary call, waiting for it"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyTypeObject kChannelType = [] {
+  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+  t.tp_name = "embedcar_front.Channel";
+  t.tp_basicsize = sizeof(ChannelObject);
+  t.tp_flags = Py_TPFLAGS_DEFAULT;
+  t.tp_doc = "Channel(target, options, root_pem=None, key_pem=None, cert_pem=None): a blocking gRPC client";
+  t.tp_methods = kChannelMethods;
+  t.tp_init = channel_init;
+  t.tp_new = PyType_GenericNew;
+  t.tp_dealloc = channel_dealloc;
+  return t;
+}();
+
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "embedcar_front", "The sidecar's compiled gRPC front.", -1,
                        nullptr, nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 
 PyMODINIT_FUNC PyInit_embedcar_front() {
-  if (PyType_Ready(&kCallType) < 0 || PyType_Ready(&kFrontType) < 0) return nullptr;
+  if (PyType_Ready(&kCallType) < 0 || PyType_Ready(&kFrontType) < 0 || PyType_Ready(&kChannelType) < 0)
+    return nullptr;
   PyObject* m = PyModule_Create(&kModule);
   if (m == nullptr) return nullptr;
   Py_INCREF(&kFrontType);
   Py_INCREF(&kCallType);
+  Py_INCREF(&kChannelType);
   if (PyModule_AddObject(m, "Front", reinterpret_cast<PyObject*>(&kFrontType)) < 0 ||
-      PyModule_AddObject(m, "Call", reinterpret_cast<PyObject*>(&kCallType)) < 0) {
+      PyModule_AddObject(m, "Call", reinterpret_cast<PyObject*>(&kCallType)) < 0 ||
+      PyModule_AddObject(m, "Channel", reinterpret_cast<PyObject*>(&kChannelType)) < 0) {
     Py_DECREF(m);
     return nullptr;
   }
