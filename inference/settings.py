@@ -152,11 +152,7 @@ class TritonSettings:
     shm_default_mb: int = setting(16, "Python backend shared-memory region per stub at start (MiB).")
     shm_growth_mb: int = setting(64, "Python backend shared-memory growth step (MiB).")
     startup_timeout_s: float = setting(120.0, "Longest wait for tritonserver to become ready.")
-    probe_interval_s: float = setting(0.5, "Client: how often a Triton URL that is down is probed for readiness.")
-    idle_probe_interval_s: float = setting(
-        2.0, "Client: how often a URL that is up is probed while no request has reached it (under traffic the "
-        "requests are the probes). Each probe is a gRPC call's CPU on the search node's host; a server gone "
-        "while idle is marked down within this, and any request finds it at once.")
+    probe_interval_s: float = setting(0.5, "Client: how often each Triton URL is probed for readiness.")
     # --- a Triton pool reached from other machines (docs/scale.md "Securing the pool") -----------
     profile: str = setting(
         "local", "local: plaintext, every API open (one host, loopback: make demo, tests). hardened: the "

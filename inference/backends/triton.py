@@ -142,7 +142,7 @@ class _Endpoint:
     stub: Any  # tritonclient's GRPCInferenceServiceStub on that channel
     up: bool = False
     down_since: float = 0.0
-    answered: float = float("-inf")  # when a request or a probe last succeeded here (time.monotonic)
+    answered: float = float("-inf")  # when a request last succeeded here (time.monotonic)
     error: EmbedcarError | None = None  # why the latest probe failed (start-up names it)
     blocking: BlockingCall | None = None  # embed_blocking's channel, opened on first use
 
@@ -153,8 +153,7 @@ class TritonBackend(Backend):
 
     def __init__(self, urls: Sequence[str], manifest: Manifest, *, variant: str | None = None,
                  model_name: str | None = None, timeout_s: float = 2.0, max_batch: int = 256,
-                 probe_interval_s: float = 0.5, idle_probe_interval_s: float | None = None,
-                 credentials: ClientCredentials | None = None) -> None:
+                 probe_interval_s: float = 0.5, credentials: ClientCredentials | None = None) -> None:
         if not urls:
             raise InvalidInput("TritonBackend needs at least one URL")
         self.manifest = manifest
@@ -168,7 +167,6 @@ class TritonBackend(Backend):
         self.model_name = model_name or self.names.ensemble
         self.timeout_s = timeout_s
         self.probe_interval_s = probe_interval_s
-        self.idle_probe_interval_s = probe_interval_s if idle_probe_interval_s is None else idle_probe_interval_s
         # Hardened pool: TLS channels, and the key header on every call (the operator's on statistics).
         self.credentials = credentials
         self._md = credentials.metadata if credentials else None
@@ -316,8 +314,6 @@ class TritonBackend(Backend):
             reply = await ep.stub.ModelReady(pb.ModelReadyRequest(name=self.model_name), timeout=self.timeout_s,
                                              metadata=self._md)
             ok = bool(reply.ready)
-            if ok:
-                ep.answered = time.monotonic()
             # Not ready is also what a server answers for a model it does not have: say which, once per outage.
             ep.error = None if ok else (
                 ep.error if isinstance(ep.error, VersionNotServed) and not ep.up
@@ -345,14 +341,12 @@ class TritonBackend(Backend):
 
     async def _probe_loop(self) -> None:
         # Every endpoint, not only the down ones: ready() must turn False while an idle server is gone.
-        # A down one every round (traffic returns within a round of its server's return); one that is
-        # up only when nothing has heard from it for idle_probe_interval_s: under traffic the requests
-        # are the probes, and an idle sidecar's probes are CPU on the search node's host (each a gRPC
-        # call: ~2.5 ms of CPU a round on a slow 2-vCPU host, docs/benchmarks.md).
+        # One that answered a request since the last round needs no probe: under traffic the requests
+        # are the probes (each probe is a gRPC call's CPU, ~2 per second per URL otherwise).
         while True:
             await asyncio.sleep(self.probe_interval_s)
-            quiet = time.monotonic() - self.idle_probe_interval_s
-            await asyncio.gather(*(self._probe(ep) for ep in self._endpoints if not (ep.up and ep.answered > quiet)))
+            recent = time.monotonic() - self.probe_interval_s
+            await asyncio.gather(*(self._probe(ep) for ep in self._endpoints if not (ep.up and ep.answered > recent)))
 
     def ready(self) -> bool:
         return self._started and any(ep.up for ep in self._endpoints)
