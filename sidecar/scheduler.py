@@ -76,7 +76,6 @@ class DirectScheduler(Scheduler):
         self.backend = backend
         self._tokenizer = tokenizer
         self._metrics = metrics
-
         self._blocking = 0  # run_now calls waiting for the backend (counted while the loop sleeps)
 
     @staticmethod
