@@ -271,10 +271,10 @@ class Run {
     c->due = due;
     c->ctx.set_deadline(wall_at(due + o_.deadline_ns));
     add_key(c->ctx);
+    in_flight_.fetch_add(1);  // before the call can complete: the count never dips below zero
     c->rpc = stub_->PrepareUnaryCall(&c->ctx, o_.method, to_buffer(reqs_[i].payload), &cq_);
     c->rpc->StartCall();
     c->rpc->Finish(&c->reply, &c->status, c);
-    in_flight_.fetch_add(1);
   }
 
   void on_unary(UnaryCall* c) {
@@ -301,7 +301,7 @@ class Run {
     if (stream_failed_) {  // ended since send_all looked: not sent
       records_[i].latency_ns = now_ns() - due_[i];
       records_[i].code = kStreamEnded;
-      done_one();
+      done_one_locked();
       return;
     }
     if (writing_) {
@@ -334,7 +334,7 @@ class Run {
     for (size_t i : write_queue_) {
       records_[i].latency_ns = now_ns() - due_[i];
       records_[i].code = kStreamEnded;
-      done_one();
+      done_one_locked();
     }
     write_queue_.clear();
   }
@@ -371,7 +371,14 @@ class Run {
     stream_->Read(&read_buf_, &read_tag_);
   }
 
+  // One outcome in. The count changes under m_: finish() checks it and starts waiting under m_, so a
+  // change between its check and its wait (and the wake-up with it) cannot be lost.
   void done_one() {
+    std::lock_guard<std::mutex> l(m_);
+    done_one_locked();
+  }
+
+  void done_one_locked() {
     slots_.release();
     in_flight_.fetch_sub(1);
     cv_.notify_all();
