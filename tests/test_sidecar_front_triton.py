@@ -8,7 +8,6 @@ and where it cannot build here these tests skip and say why.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -20,7 +19,7 @@ from inference.triton.launcher import TritonServer
 from sidecar.app import SidecarThread
 from sidecar.client import Client
 from sidecar.models import FALLBACK
-from tests.test_sidecar_native_front import QUERIES, front_target, needs_front, passes
+from tests.test_sidecar_native_front import QUERIES, front_target, needs_front, passes, race
 from tests.test_sidecar_reliability import wait_for
 from tests.test_sidecar_triton import triton_sidecar_settings
 
@@ -57,26 +56,7 @@ def test_callers_racing_each_other_and_the_loop_all_get_tritons_answers(settings
                                                                          triton_server: TritonServer) -> None:
     # More callers than the front lets wait for Triton at once (BLOCKING_CALLS): the rest go to the loop.
     with SidecarThread(front_triton_settings(settings, triton_server)) as sc:
-        with Client(sc.grpc_target) as main:
-            ref = {q: main.embed([q]).embeddings[0] for q in QUERIES}
-        wrong: list[str] = []
-        errors: list[Exception] = []
-
-        def caller(seed: int) -> None:
-            with Client(front_target(sc)) as c:
-                for i in range(15):
-                    q = QUERIES[(seed + i) % len(QUERIES)]
-                    try:
-                        if not np.allclose(c.embed([q]).embeddings[0], ref[q], atol=1e-6):
-                            wrong.append(q)
-                    except Exception as exc:
-                        errors.append(exc)
-
-        threads = [threading.Thread(target=caller, args=(n,)) for n in range(5)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        wrong, errors = race(sc, callers=5, calls=15)
         assert not errors and not wrong
 
 

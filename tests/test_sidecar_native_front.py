@@ -91,25 +91,36 @@ def test_errors_are_the_main_ports(front: Sidecar) -> None:
     channel.close()
 
 
-@needs_front
-def test_many_callers_at_once_get_their_own_answers(front: Sidecar) -> None:
-    # Calls race the loop and each other: some are answered on the front's thread, some on the loop.
-    with Client(front.grpc_target) as main:
+def race(sc: Sidecar, callers: int, calls: int) -> tuple[list[str], list[Exception]]:
+    """`callers` threads, each sending `calls` one-text Embeds to the front at once: the queries whose
+    answer differs from the main port's, and the errors raised."""
+    with Client(sc.grpc_target) as main:
         ref = {q: main.embed([q]).embeddings[0] for q in QUERIES}
     wrong: list[str] = []
+    errors: list[Exception] = []
 
     def caller(seed: int) -> None:
-        with Client(front_target(front)) as c:
-            for i in range(25):
+        with Client(front_target(sc)) as c:
+            for i in range(calls):
                 q = QUERIES[(seed + i) % len(QUERIES)]
-                if not np.allclose(c.embed([q]).embeddings[0], ref[q], atol=1e-6):
-                    wrong.append(q)
+                try:
+                    if not np.allclose(c.embed([q]).embeddings[0], ref[q], atol=1e-6):
+                        wrong.append(q)
+                except Exception as exc:
+                    errors.append(exc)
 
-    threads = [threading.Thread(target=caller, args=(n,)) for n in range(6)]
+    threads = [threading.Thread(target=caller, args=(n,)) for n in range(callers)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
+    return wrong, errors
+
+
+@needs_front
+def test_many_callers_at_once_get_their_own_answers(front: Sidecar) -> None:
+    # Calls race the loop and each other: some are answered on the front's thread, some on the loop.
+    wrong, _errors = race(front, callers=6, calls=25)
     assert not wrong
 
 

@@ -35,12 +35,29 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
 
 constexpr char kApiKey[] = "x-api-key";
 constexpr char kRetryAfter[] = "x-retry-after-s";  // sidecar/errors.py RETRY_AFTER_KEY
+
+// A Python type of this module; `init` set = constructible from Python (Call is made here only).
+PyTypeObject type_of(const char* name, Py_ssize_t size, const char* doc, PyMethodDef* methods, destructor dealloc,
+                     initproc init = nullptr, PyGetSetDef* getset = nullptr) {
+  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+  t.tp_name = name;
+  t.tp_basicsize = size;
+  t.tp_flags = Py_TPFLAGS_DEFAULT;
+  t.tp_doc = doc;
+  t.tp_methods = methods;
+  t.tp_getset = getset;
+  t.tp_dealloc = dealloc;
+  t.tp_init = init;
+  if (init != nullptr) t.tp_new = PyType_GenericNew;
+  return t;
+}
 
 class Reactor;
 
@@ -137,16 +154,9 @@ PyMethodDef kCallMethods[] = {
     {"fail", call_fail, METH_VARARGS, "fail(code, message, retry_after=None): end the call with this status"},
     {nullptr, nullptr, 0, nullptr}};
 
-PyTypeObject kCallType = [] {
-  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
-  t.tp_name = "embedcar_front.Call";
-  t.tp_basicsize = sizeof(CallObject);
-  t.tp_flags = Py_TPFLAGS_DEFAULT;
-  t.tp_doc = "One gRPC call taken by the front: answer it once with reply() or fail().";
-  t.tp_methods = kCallMethods;
-  t.tp_dealloc = call_dealloc;
-  return t;
-}();
+PyTypeObject kCallType = type_of("embedcar_front.Call", sizeof(CallObject),
+                                 "One gRPC call taken by the front: answer it once with reply() or fail().",
+                                 kCallMethods, call_dealloc);
 
 void Reactor::OnReadDone(bool ok) {
   if (!ok) {
@@ -291,19 +301,9 @@ PyMethodDef kFrontMethods[] = {
 PyGetSetDef kFrontGetSet[] = {{"port", front_port, nullptr, "the bound port", nullptr},
                               {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
-PyTypeObject kFrontType = [] {
-  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
-  t.tp_name = "embedcar_front.Front";
-  t.tp_basicsize = sizeof(FrontObject);
-  t.tp_flags = Py_TPFLAGS_DEFAULT;
-  t.tp_doc = "Front(host, port, max_message_bytes, handler): serve gRPC, each call to handler";
-  t.tp_methods = kFrontMethods;
-  t.tp_getset = kFrontGetSet;
-  t.tp_init = front_init;
-  t.tp_new = PyType_GenericNew;
-  t.tp_dealloc = front_dealloc;
-  return t;
-}();
+PyTypeObject kFrontType = type_of("embedcar_front.Front", sizeof(FrontObject),
+                                  "Front(host, port, max_message_bytes, handler): serve gRPC, each call to handler",
+                                  kFrontMethods, front_dealloc, front_init, kFrontGetSet);
 
 // --- the blocking client ------------------------------------------------------------------------
 struct ChannelObject {
@@ -440,18 +440,10 @@ PyMethodDef kChannelMethods[] = {
      "call(method, request, timeout_s, metadata) -> (code, details, reply): one unary call, waiting for it"},
     {nullptr, nullptr, 0, nullptr}};
 
-PyTypeObject kChannelType = [] {
-  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
-  t.tp_name = "embedcar_front.Channel";
-  t.tp_basicsize = sizeof(ChannelObject);
-  t.tp_flags = Py_TPFLAGS_DEFAULT;
-  t.tp_doc = "Channel(target, options, root_pem=None, key_pem=None, cert_pem=None): a blocking gRPC client";
-  t.tp_methods = kChannelMethods;
-  t.tp_init = channel_init;
-  t.tp_new = PyType_GenericNew;
-  t.tp_dealloc = channel_dealloc;
-  return t;
-}();
+PyTypeObject kChannelType = type_of(
+    "embedcar_front.Channel", sizeof(ChannelObject),
+    "Channel(target, options, root_pem=None, key_pem=None, cert_pem=None): a blocking gRPC client", kChannelMethods,
+    channel_dealloc, channel_init);
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "embedcar_front", "The sidecar's compiled gRPC front.", -1,
                        nullptr, nullptr, nullptr, nullptr, nullptr};
@@ -459,18 +451,19 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "embedcar_front", "The sidecar's c
 }  // namespace
 
 PyMODINIT_FUNC PyInit_embedcar_front() {
-  if (PyType_Ready(&kCallType) < 0 || PyType_Ready(&kFrontType) < 0 || PyType_Ready(&kChannelType) < 0)
-    return nullptr;
+  const std::pair<const char*, PyTypeObject*> types[] = {
+      {"Front", &kFrontType}, {"Call", &kCallType}, {"Channel", &kChannelType}};
+  for (const auto& [name, type] : types)
+    if (PyType_Ready(type) < 0) return nullptr;
   PyObject* m = PyModule_Create(&kModule);
   if (m == nullptr) return nullptr;
-  Py_INCREF(&kFrontType);
-  Py_INCREF(&kCallType);
-  Py_INCREF(&kChannelType);
-  if (PyModule_AddObject(m, "Front", reinterpret_cast<PyObject*>(&kFrontType)) < 0 ||
-      PyModule_AddObject(m, "Call", reinterpret_cast<PyObject*>(&kCallType)) < 0 ||
-      PyModule_AddObject(m, "Channel", reinterpret_cast<PyObject*>(&kChannelType)) < 0) {
-    Py_DECREF(m);
-    return nullptr;
+  for (const auto& [name, type] : types) {
+    Py_INCREF(type);
+    if (PyModule_AddObject(m, name, reinterpret_cast<PyObject*>(type)) < 0) {
+      Py_DECREF(type);
+      Py_DECREF(m);
+      return nullptr;
+    }
   }
   return m;
 }
