@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +36,7 @@ from sidecar.event_loop import new_event_loop
 from sidecar.grpc_server import SERVICE, EmbedderServicer, create_server, health_status
 from sidecar.metrics import Metrics
 from sidecar.models import FALLBACK, ModelSet, ServedModel, build_model, served_names
-from sidecar.native_front import NativeFront
+from sidecar.native_front import NativeFront, unavailable_reason
 from sidecar.pipeline import EmbedPipeline
 from sidecar.ratelimit import RateLimiter
 from sidecar.rollout import Rollout
@@ -44,7 +46,7 @@ from sidecar.service import EmbedService
 from sidecar.settings import Settings
 from sidecar.shedding import Gate
 from sidecar.tls import server_tls
-from sidecar.unix_socket import UnixSocket
+from sidecar.unix_socket import UnixSocket, prepare_unix_socket, restrict_unix_socket
 
 if TYPE_CHECKING:
     import grpc
@@ -87,6 +89,8 @@ class Sidecar:
         self.grpc_port = 0
         self.native_grpc_port: int | None = None  # the compiled front's, when sidecar.native_grpc_port >= 0
         self._front: NativeFront | None = None
+        self._main_front: NativeFront | None = None  # serving grpc_port (sidecar.grpc_server=compiled)
+        self._relay_dir: Path | None = None  # the private socket of the grpc.aio server behind it
         self.uds: UnixSocket | None = None
         self.http_port: int | None = None
         self.serving = False
@@ -173,15 +177,21 @@ class Sidecar:
         if self._settle_heap:  # the process's collector is ours to report
             self._unwatch_gc = heap.watch_pauses(self.metrics.observe_gc_pause)
         servicer = EmbedderServicer(self.service, self.metrics, self.gate)
-        self._grpc, self.grpc_port, self.uds = create_server(s, servicer, self._health, self.tls)
-        await self._grpc.start()
+        if s.grpc_server == "compiled" and self._front_builds():
+            await self._start_compiled(servicer)
+        else:
+            self._grpc, self.grpc_port, self.uds = create_server(s, servicer, self._health, self.tls)
+            await self._grpc.start()
         if s.native_grpc_port >= 0:
             if self.tls is not None:
                 raise InvalidInput("sidecar.native_grpc_port serves plaintext only: turn it off with TLS "
                                    "(the main gRPC port serves TLS)")
             self._front = NativeFront(servicer, asyncio.get_running_loop(), backlog=s.transport_backlog)
-            self.native_grpc_port = await asyncio.to_thread(self._front.start, s.host, s.native_grpc_port,
-                                                            s.max_message_bytes)
+            try:
+                self.native_grpc_port = await asyncio.to_thread(self._front.start, s.host, s.native_grpc_port,
+                                                                s.max_message_bytes)
+            except Unavailable as exc:
+                raise Unavailable(f"sidecar.native_grpc_port: {exc.message}") from exc
         if s.http_port >= 0:
             await self._start_http(s.host, s.http_port, s.max_message_bytes)
         for m in self.models:
@@ -204,11 +214,34 @@ class Sidecar:
                  f", compiled front :{self.native_grpc_port}" if self.native_grpc_port is not None else "",
                  self.http_port if self.http_port is not None else "off")
 
+    @staticmethod
+    def _front_builds() -> bool:
+        reason = unavailable_reason()
+        if reason is not None:
+            log.warning("sidecar.grpc_server=compiled: %s; serving gRPC with grpc.aio instead", reason)
+        return reason is None
+
+    async def _start_compiled(self, servicer: EmbedderServicer) -> None:
+        """The compiled front on grpc_port (and uds_path); the grpc.aio server behind it on a private Unix
+        socket, for what the front relays (Stream, health, reflection) and what it hands to the loop."""
+        s = self.settings.sidecar
+        self._relay_dir = Path(tempfile.mkdtemp(prefix="embedcar-grpc-"))  # 0700: the sidecar's alone
+        relay = self._relay_dir / "aio.sock"
+        self._grpc, _, _ = create_server(s, servicer, self._health, relay=relay)
+        await self._grpc.start()
+        uds_path = prepare_unix_socket(s.uds_path) if s.uds_path is not None else None
+        front = self._main_front = NativeFront(servicer, asyncio.get_running_loop(), backlog=s.transport_backlog)
+        self.grpc_port = await asyncio.to_thread(front.start, s.host, s.grpc_port, s.max_message_bytes,
+                                                 relay=f"unix:{relay}", unix=uds_path, tls=self.tls)
+        if uds_path is not None:
+            self.uds = restrict_unix_socket(uds_path)
+
     def _switched(self, m: ServedModel) -> None:
         """A model version went into service (at start, or by a rollout)."""
         m.health.on_down = lambda: self._spawn(self._set_health(self.can_answer))
-        if self._front is not None:
-            self._front.calls(m.backend)
+        for front in (self._main_front, self._front):
+            if front is not None:
+                front.calls(m.backend)
         self.metrics.model_info.clear()
         for served in self.models:
             self.metrics.model_info.labels(served.name, served.version_id).set(1)
@@ -233,12 +266,16 @@ class Sidecar:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._monitor = self._rollout = None
-        if self._front is not None:
-            await self._front.stop(grace)
-            self._front = None
+        for front in (self._main_front, self._front):
+            if front is not None:
+                await front.stop(grace)
+        self._main_front = self._front = None
         if self._grpc is not None:
             await self._grpc.stop(grace)  # refuses new calls, lets in-flight ones finish within `grace`
             self._grpc = None
+        if self._relay_dir is not None:
+            shutil.rmtree(self._relay_dir, ignore_errors=True)
+            self._relay_dir = None
         if self.uds is not None:
             self.uds.remove()
         if self._http is not None and self._http_task is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -265,10 +266,13 @@ def _embed_reply(req: pb.EmbedRequest, out: EmbedOutcome) -> pb.EmbedReply:
 
 
 def create_server(settings: SidecarSettings, servicer: EmbedderServicer, health: HealthServicer,
-                  tls: ServerTls | None = None) -> tuple[grpc.aio.Server, int, UnixSocket | None]:
+                  tls: ServerTls | None = None, *, relay: Path | None = None
+                  ) -> tuple[grpc.aio.Server, int, UnixSocket | None]:
     """A configured, unstarted server bound to settings.host:grpc_port (0 = free port), and to the
-    Unix socket settings.uds_path when set (no network reach: the bind check does not apply to it)."""
-    uds_path = prepare_unix_socket(settings.uds_path) if settings.uds_path is not None else None
+    Unix socket settings.uds_path when set (no network reach: the bind check does not apply to it).
+    With `relay`, bound to that private Unix socket alone (the compiled front serves the sidecar's
+    own addresses and relays what it does not answer there): port 0, no UnixSocket."""
+    uds_path = prepare_unix_socket(settings.uds_path) if settings.uds_path is not None and relay is None else None
     limit = settings.max_message_bytes
     keys = servicer.service.keys
     # Only with keys: an interceptor costs every call a coroutine hop.
@@ -288,11 +292,18 @@ def create_server(settings: SidecarSettings, servicer: EmbedderServicer, health:
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    host = settings.host
-    address = f"[{host}]:{settings.grpc_port}" if ":" in host else f"{host}:{settings.grpc_port}"
+    if relay is not None:
+        server.add_insecure_port(f"unix:{relay}")
+        return server, 0, None
+    address = grpc_address(settings.host, settings.grpc_port)
     port = server.add_secure_port(address, tls.grpc_credentials()) if tls else server.add_insecure_port(address)
     uds = bind_unix_socket(server, uds_path) if uds_path is not None else None
     return server, port, uds
+
+
+def grpc_address(host: str, port: int) -> str:
+    """`host:port` as gRPC listens on it (an IPv6 host bracketed)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def backlog_options(backlog: int) -> list[tuple[str, int]]:

@@ -23,6 +23,7 @@ gRPC thread need the sidecar's loop to be a `SidecarLoop`; on any other loop eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -42,14 +43,18 @@ from inference.grpc_io import EXPERIMENTS, POLLING_IO
 from inference.triton.tls import ClientCredentials
 from sidecar.errors import grpc_code
 from sidecar.event_loop import idle_lock
-from sidecar.grpc_server import SERVICE, EmbedderServicer
+from sidecar.grpc_server import SERVICE, EmbedderServicer, grpc_address
 from sidecar.native_build import build_native, load_module
+from sidecar.tls import ServerTls
+from sidecar.unix_socket import owner_only_files
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "native" / "front.cc"
 METHODS = {f"/{SERVICE}/Embed": "embed", f"/{SERVICE}/Search": "search"}
 _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
+_CANCELLED = grpc.StatusCode.CANCELLED.value[0]
+_CALLER_LEFT = "the caller cancelled the call"
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
@@ -107,19 +112,28 @@ class NativeFront:
         self._front: Any = None
         self.port = 0
 
-    def start(self, host: str, port: int, max_message_bytes: int) -> int:
-        """Build (first time) and start the front; the bound port. Raises Unavailable where it cannot build."""
+    def start(self, host: str, port: int, max_message_bytes: int, *, relay: str | None = None,
+              unix: Path | None = None, tls: ServerTls | None = None) -> int:
+        """Build (first time) and start the front; the bound port. Raises Unavailable where it cannot build.
+        `relay`: the gRPC target other methods than Embed and Search go to (the sidecar's grpc.aio server;
+        without it they fail UNIMPLEMENTED); `unix`: a prepared Unix socket path to listen on too (mode 0600
+        until the caller restricts it); `tls`: serve TCP with it."""
         try:
             module: Any = load_module(SOURCE, "embedcar_front")
         except Unavailable as exc:
-            raise Unavailable(f"sidecar.native_grpc_port: the compiled gRPC front cannot be built here: "
+            raise Unavailable(f"the compiled gRPC front cannot be built here: "
                               f"{exc.message}") from exc
         self._module = module
         ours = os.environ.get(EXPERIMENTS) == POLLING_IO  # names only grpcio knows: the C++ library would
         if ours:                                           # log each as unknown when it starts
             del os.environ[EXPERIMENTS]
         try:
-            self._front = module.Front(host, port, max_message_bytes, self._on_call)
+            pems = {"key_pem": tls.private_key, "cert_pem": tls.cert_chain,
+                    "client_ca_pem": tls.client_ca} if tls else {}
+            with owner_only_files() if unix is not None else contextlib.nullcontext():
+                self._front = module.Front(grpc_address(host, port), max_message_bytes, self._on_call,
+                                           served=tuple(METHODS), relay=relay,
+                                           unix=str(unix) if unix is not None else None, **pems)
         finally:
             if ours:
                 os.environ[EXPERIMENTS] = POLLING_IO
@@ -195,6 +209,9 @@ class NativeFront:
         task = self._loop.create_task(self._answer(rpc, raw, key, deadline, call, authenticated))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        # The caller leaving cancels the work, as grpc.aio cancels its handler (a query others joined
+        # tells them at once). On a gRPC thread: the loop is told, not touched.
+        call.on_cancel(functools.partial(self._loop.call_soon_threadsafe, task.cancel, _CALLER_LEFT))
 
     async def _answer(self, rpc: str, raw: bytes, key: str | None, deadline: float | None, call: Any,
                       authenticated: bool) -> None:
@@ -202,8 +219,11 @@ class NativeFront:
             body = await self._servicer.answer(rpc, raw, key, deadline, authenticated=authenticated)
         except EmbedcarError as exc:
             self._fail(call, rpc, exc)
-        except asyncio.CancelledError:
-            self._fail(call, rpc, Unavailable("the sidecar is shutting down"))
+        except asyncio.CancelledError as exc:
+            if _CALLER_LEFT not in exc.args:
+                self._fail(call, rpc, Unavailable("the sidecar is shutting down"))
+            else:  # ended all the same (its status goes nowhere): a call is finished once, always
+                call.fail(_CANCELLED, "the caller cancelled the call")
             raise
         except Exception as exc:
             self._fail(call, rpc, Internal(f"unexpected error: {type(exc).__name__}"))

@@ -6,9 +6,12 @@ crashed run), restricts who may connect (file mode), and removes the file at shu
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import socket
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,7 +95,23 @@ def bind_unix_socket(server: grpc.aio.Server, path: Path) -> UnixSocket:
         server.add_insecure_port(f"unix:{path}")
     except RuntimeError as exc:
         raise Unavailable(f"cannot listen on Unix socket {path}: {exc}") from exc
-    st = path.lstat()
     # Right after bind, before the server starts (the file was created with the process umask's mode).
+    return restrict_unix_socket(path)
+
+
+@contextlib.contextmanager
+def owner_only_files() -> Iterator[None]:
+    """Files created meanwhile (by any thread) get mode 0600 at most: a socket a server binds and starts
+    serving on at once is never open to others before `restrict_unix_socket` sets its mode."""
+    before = os.umask(0o177)
+    try:
+        yield
+    finally:
+        os.umask(before)
+
+
+def restrict_unix_socket(path: Path) -> UnixSocket:
+    """The socket file a server has bound at `path`, restricted to owner and group (UDS_MODE)."""
+    st = path.lstat()
     path.chmod(UDS_MODE)
     return UnixSocket(path, (st.st_dev, st.st_ino))

@@ -27,8 +27,8 @@ pytestmark = pytest.mark.triton
 
 
 def front_triton_settings(settings: Settings, server: TritonServer, **changes: object) -> Settings:
-    return triton_sidecar_settings(settings, server).with_section("sidecar", native_grpc_port=0, cache_entries=0,
-                                                                  **changes)
+    return triton_sidecar_settings(settings, server).with_section(
+        "sidecar", native_grpc_port=0, grpc_server="aio", cache_entries=0, **changes)
 
 
 @needs_front

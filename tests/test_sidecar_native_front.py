@@ -7,6 +7,7 @@ sidecar/native/front.cc on first use, and where it cannot build here these tests
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -33,7 +34,8 @@ needs_front = pytest.mark.skipif(WHY_NOT is not None, reason=f"the compiled fron
 
 
 def front_settings(settings: Settings, **changes: object) -> Settings:
-    return sidecar_settings(settings, http_port=-1, native_grpc_port=0, **changes)
+    """The front on a port of its own beside a grpc.aio main port: the two answer side by side."""
+    return sidecar_settings(settings, http_port=-1, native_grpc_port=0, grpc_server="aio", **changes)
 
 
 def front_target(sc: Sidecar) -> str:
@@ -201,7 +203,8 @@ def test_the_front_stops_with_the_sidecar_and_frees_its_port(settings: Settings,
 
 
 def test_a_front_that_cannot_build_says_what_it_needs(settings: Settings, onnx_backend: OnnxBackend,
-                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(native_build, "_built", {})
     monkeypatch.setattr(native_build, "BUILD_DIR", tmp_path / "build")
     monkeypatch.setattr("sidecar.native_build.shutil.which", lambda _name: None)  # no compiler
@@ -209,3 +212,11 @@ def test_a_front_that_cannot_build_says_what_it_needs(settings: Settings, onnx_b
     with (pytest.raises(Unavailable, match=r"native_grpc_port.*libgrpc\+\+-dev"),
           SidecarThread(front_settings(settings), backend=onnx_backend)):
         pass
+    # The default main port (grpc_server=compiled) falls back to grpc.aio, saying why, and serves.
+    with caplog.at_level(logging.WARNING, logger="sidecar.app"), \
+            SidecarThread(sidecar_settings(settings, http_port=-1), backend=onnx_backend) as sc, \
+            Client(sc.grpc_target) as c:
+        assert sc._main_front is None
+        assert c.embed(["milk"], timeout_s=5).embeddings.shape[0] == 1
+    assert any("grpc_server=compiled" in r.getMessage() and "grpc.aio instead" in r.getMessage()
+               for r in caplog.records)

@@ -164,11 +164,14 @@ def test_stream_messages_past_the_in_flight_cap_are_refused(settings: Settings, 
     assert [r.id for r in rest] == [1] and rest[0].WhichOneof("result") == "embed"
 
 
-def test_c_core_refuses_calls_while_the_event_loop_is_stuck(settings: Settings, model_dir: object) -> None:
-    """The loop blocked (a long pause, a CPU-starved process): calls past the backlog are refused by gRPC's
-    C core while no Python can run, and the client reads them as Shed; those within it are served after."""
+@pytest.mark.parametrize(("server", "refusal"), [("aio", Shed), ("compiled", Overloaded)])
+def test_calls_past_the_backlog_are_refused_while_the_event_loop_is_stuck(
+        settings: Settings, model_dir: object, server: str, refusal: type[Exception]) -> None:
+    """The loop blocked (a long pause, a CPU-starved process): calls past the backlog are refused while no
+    Python can run on it, by gRPC's C core (grpc.aio: the client reads Shed) or on the compiled front's
+    thread (RESOURCE_EXHAUSTED with a retry-after: Overloaded); those within it are served after."""
     n, backlog = 40, 2
-    runner = SidecarThread(sidecar_settings(settings, transport_backlog=backlog))
+    runner = SidecarThread(sidecar_settings(settings, transport_backlog=backlog, grpc_server=server))
     with runner as sc, grpc.insecure_channel(sc.grpc_target) as ch:
         embed = ch.unary_unary("/embedcar.v1.Embedder/Embed")
         embed(pb.EmbedRequest(texts=["warm"]).SerializeToString(), timeout=20)  # connected and warm
@@ -204,10 +207,10 @@ def test_c_core_refuses_calls_while_the_event_loop_is_stuck(settings: Settings, 
             except grpc.RpcError as exc:
                 outcomes.append(map_rpc_error(exc))
     assert refused_while_stuck, f"only {answered_while_stuck} of {n} calls were answered while the loop was held"
-    shed = [o for o in outcomes if isinstance(o, Shed)]
+    shed = [o for o in outcomes if isinstance(o, refusal)]
     served = [o for o in outcomes if isinstance(o, bytes)]
     assert len(shed) >= n - 2 * backlog - 1 and served, outcomes[:3]
-    assert len(shed) + len(served) == n, [o for o in outcomes if not isinstance(o, (Shed, bytes))][:3]
+    assert len(shed) + len(served) == n, [o for o in outcomes if not isinstance(o, (refusal, bytes))][:3]
 
 
 def test_a_cancelled_status_reads_as_shed() -> None:

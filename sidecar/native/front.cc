@@ -7,11 +7,17 @@
 // Why: a grpc.aio call wakes gRPC's poller thread and then the event loop; this wakes one thread
 // (docs/benchmarks.md, "A compiled gRPC front").
 //
-//   front = embedcar_front.Front(host, port, max_message_bytes, handler)  # handler(method, request,
-//   front.port; front.stop(grace_s)                                       #   api_key, timeout_s, call)
+//   front = embedcar_front.Front(address, max_message_bytes, handler, served=(), relay=None, unix=None,
+//                                key_pem=None, cert_pem=None, client_ca_pem=None)
+//   handler(method, request, api_key, timeout_s, call); front.port; front.stop(grace_s)
 //   call.reply(body: bytes); call.fail(code: int, message: str, retry_after: str | None = None)
+//   call.on_cancel(fn)  # fn() when the caller cancels the call (a Python task answering it can stop)
 //
-// Methods other than those the handler serves are answered by the handler (it fails them).
+// Methods other than `served` go to the server at `relay` when it is given (the sidecar's grpc.aio
+// server on a private Unix socket: Stream, health, reflection), message by message both ways with the
+// caller's metadata and deadline and the server's status and trailers; without `relay`, to the handler.
+// `unix`: also listen on this Unix socket (plaintext); `key_pem`/`cert_pem`: TCP serves TLS, and with
+// `client_ca_pem` only to clients presenting a certificate that CA signed.
 //
 // It is also a blocking client, for the backend calls the front's thread makes itself (the Triton
 // backend's ModelInfer): the call polls its own completion queue on the calling thread, the GIL
@@ -94,13 +100,66 @@ class Reactor : public grpc::ServerGenericBidiReactor {
     Finish(grpc::Status(static_cast<grpc::StatusCode>(code), std::move(message)));
   }
 
-  void OnDone() override { delete this; }
+  void OnCancel() override;
+  void OnDone() override;
+
+  // With the GIL: `fn` is called (with the GIL, on a gRPC thread) when the caller cancels, at once if it has.
+  void CallOnCancel(PyObject* fn);
 
  private:
   grpc::GenericCallbackServerContext* ctx_;
   PyObject* handler_;
   grpc::ByteBuffer request_, reply_;
+  PyObject* on_cancel_ = nullptr;  // guarded by the GIL
+  bool cancelled_ = false;         // guarded by the GIL
 };
+
+// Takes the GIL on a gRPC thread, keeping the thread's Python thread state between calls (one Ensure
+// never released): without it every call creates and destroys one (its frame stack mapped and unmapped,
+// thread-locals lost).
+PyGILState_STATE enter_python() {
+  PyGILState_STATE gil = PyGILState_Ensure();
+  static thread_local bool pinned = false;
+  if (!pinned) {
+    (void)PyGILState_Ensure();
+    pinned = true;
+  }
+  return gil;
+}
+
+void call_now(PyObject* fn) {
+  PyObject* result = PyObject_CallNoArgs(fn);
+  if (result == nullptr) PyErr_WriteUnraisable(fn);
+  Py_XDECREF(result);
+  Py_DECREF(fn);
+}
+
+void Reactor::CallOnCancel(PyObject* fn) {
+  Py_INCREF(fn);
+  if (cancelled_) {
+    call_now(fn);
+    return;
+  }
+  Py_XSETREF(on_cancel_, fn);
+}
+
+void Reactor::OnCancel() {
+  PyGILState_STATE gil = enter_python();
+  cancelled_ = true;
+  PyObject* fn = on_cancel_;
+  on_cancel_ = nullptr;
+  if (fn != nullptr) call_now(fn);
+  PyGILState_Release(gil);
+}
+
+void Reactor::OnDone() {
+  if (on_cancel_ != nullptr) {  // set before the call was answered, so no other thread touches it now
+    PyGILState_STATE gil = enter_python();
+    Py_CLEAR(on_cancel_);
+    PyGILState_Release(gil);
+  }
+  delete this;
+}
 
 // The call's reactor, taken once: null (and a RuntimeError set) if it was already answered.
 Reactor* take(CallObject* self) {
@@ -144,6 +203,20 @@ PyObject* call_fail(PyObject* obj, PyObject* args) {
   Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
+PyObject* call_on_cancel(PyObject* obj, PyObject* fn) {
+  Reactor* reactor = reinterpret_cast<CallObject*>(obj)->reactor;
+  if (reactor == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "this call was already answered");
+    return nullptr;
+  }
+  if (!PyCallable_Check(fn)) {
+    PyErr_SetString(PyExc_TypeError, "on_cancel takes a callable");
+    return nullptr;
+  }
+  reactor->CallOnCancel(fn);
+  Py_RETURN_NONE;
+}
+
 void call_dealloc(PyObject* obj) {
   fail_unanswered(reinterpret_cast<CallObject*>(obj), "the sidecar dropped this call unanswered");
   Py_TYPE(obj)->tp_free(obj);
@@ -152,6 +225,8 @@ void call_dealloc(PyObject* obj) {
 PyMethodDef kCallMethods[] = {
     {"reply", call_reply, METH_VARARGS, "reply(body: bytes): end the call with OK and this message"},
     {"fail", call_fail, METH_VARARGS, "fail(code, message, retry_after=None): end the call with this status"},
+    {"on_cancel", call_on_cancel, METH_O,
+     "on_cancel(fn): fn() on a gRPC thread when the caller cancels (at once if it has); before answering"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyTypeObject kCallType = type_of("embedcar_front.Call", sizeof(CallObject),
@@ -180,14 +255,7 @@ void Reactor::OnReadDone(bool ok) {
   }
   const std::string& method = ctx_->method();
 
-  PyGILState_STATE gil = PyGILState_Ensure();
-  // Keep this gRPC thread's Python thread state between calls (one Ensure never released): without it
-  // every call creates and destroys one (its frame stack mapped and unmapped, thread-locals lost).
-  static thread_local bool pinned = false;
-  if (!pinned) {
-    (void)PyGILState_Ensure();
-    pinned = true;
-  }
+  PyGILState_STATE gil = enter_python();
   auto* call = PyObject_New(CallObject, &kCallType);
   if (call == nullptr) {
     PyErr_Clear();
@@ -211,16 +279,128 @@ void Reactor::OnReadDone(bool ok) {
   PyGILState_Release(gil);
 }
 
+// A call the front does not serve itself, relayed to the server behind it (`relay`): each message the
+// caller sends is written upstream before the next is read, each upstream reply written to the caller
+// before the next is read, and the upstream status (with its trailers) ends the caller's call.
+class Relay : public grpc::ServerGenericBidiReactor {
+ public:
+  Relay(grpc::GenericCallbackServerContext* ctx, grpc::GenericStub* stub)
+      : ctx_(ctx), method_(ctx->method()), upstream_(this) {
+    for (const auto& [k, v] : ctx->client_metadata()) {
+      std::string key(k.data(), k.size());
+      if (key.empty() || key[0] == ':' || key.rfind("grpc-", 0) == 0 || key == "user-agent" || key == "te" ||
+          key == "content-type")
+        continue;  // the transport's own headers: the upstream call sets its own
+      client_.AddMetadata(key, std::string(v.data(), v.size()));
+    }
+    if (ctx->deadline() != std::chrono::system_clock::time_point::max()) client_.set_deadline(ctx->deadline());
+    stub->PrepareBidiStreamingCall(&client_, method_, grpc::StubOptions(), &upstream_);
+    upstream_.AddHold();  // upstream's OnDone only after its last reply went to the caller (or never will)
+    upstream_.StartRead(&down_);
+    upstream_.StartCall();
+    StartRead(&up_);
+  }
+
+  // The caller's side.
+  void OnReadDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (upstream_done_) return;  // upstream has ended the call: nothing more goes up
+    if (ok) {
+      upstream_.StartWrite(&up_);
+    } else {
+      upstream_.StartWritesDone();
+    }
+  }
+  void OnWriteDone(bool ok) override {
+    if (ok) {
+      upstream_.StartRead(&down_);
+    } else {  // the caller has gone: stop reading upstream and end it
+      client_.TryCancel();
+      upstream_.RemoveHold();
+    }
+  }
+  void OnCancel() override { client_.TryCancel(); }
+  void OnDone() override { delete this; }
+
+ private:
+  class Upstream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+   public:
+    explicit Upstream(Relay* relay) : relay_(relay) {}
+    void OnReadDone(bool ok) override {
+      if (ok) {
+        relay_->StartWrite(&relay_->down_);
+      } else {
+        RemoveHold();  // every reply has been passed on
+      }
+    }
+    void OnWriteDone(bool ok) override {
+      if (ok) relay_->StartRead(&relay_->up_);  // else upstream ended: its status follows
+    }
+    void OnDone(const grpc::Status& status) override { relay_->Upstreamed(status); }
+
+   private:
+    Relay* relay_;
+  };
+
+  void Upstreamed(const grpc::Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      upstream_done_ = true;
+    }
+    for (const auto& [k, v] : client_.GetServerTrailingMetadata()) {
+      std::string key(k.data(), k.size());
+      if (key.rfind("grpc-", 0) != 0) ctx_->AddTrailingMetadata(key, std::string(v.data(), v.size()));
+    }
+    Finish(status);
+  }
+
+  grpc::GenericCallbackServerContext* ctx_;
+  std::string method_;
+  grpc::ClientContext client_;
+  Upstream upstream_;
+  grpc::ByteBuffer up_, down_;
+  std::mutex mu_;
+  bool upstream_done_ = false;
+};
+
 class Service : public grpc::CallbackGenericService {
  public:
-  explicit Service(PyObject* handler) : handler_(handler) {}
+  Service(PyObject* handler, std::vector<std::string> served, std::shared_ptr<grpc::Channel> relay)
+      : handler_(handler), served_(std::move(served)), relay_(std::move(relay)) {
+    if (relay_) stub_ = std::make_unique<grpc::GenericStub>(relay_);
+  }
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
+    if (stub_ && std::find(served_.begin(), served_.end(), ctx->method()) == served_.end())
+      return new Relay(ctx, stub_.get());
     return new Reactor(ctx, handler_);
   }
 
  private:
   PyObject* handler_;
+  std::vector<std::string> served_;
+  std::shared_ptr<grpc::Channel> relay_;
+  std::unique_ptr<grpc::GenericStub> stub_;
 };
+
+// Reads a str or bytes argument that may be None; false (an error set) for anything else.
+bool optional_text(PyObject* value, const char* what, std::string* out, bool* given) {
+  *given = value != nullptr && value != Py_None;
+  if (!*given) return true;
+  char* data = nullptr;
+  Py_ssize_t size = 0;
+  if (PyBytes_Check(value)) {
+    if (PyBytes_AsStringAndSize(value, &data, &size) < 0) return false;
+  } else if (PyUnicode_Check(value)) {
+    const char* utf8 = PyUnicode_AsUTF8AndSize(value, &size);
+    if (utf8 == nullptr) return false;
+    data = const_cast<char*>(utf8);
+  } else {
+    PyErr_Format(PyExc_TypeError, "%s must be bytes, str or None", what);
+    return false;
+  }
+  out->assign(data, static_cast<size_t>(size));
+  return true;
+}
 
 struct FrontObject {
   PyObject_HEAD PyObject* handler;
@@ -229,12 +409,17 @@ struct FrontObject {
   int port;
 };
 
-int front_init(PyObject* obj, PyObject* args, PyObject*) {
+int front_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<FrontObject*>(obj);
-  const char* host = nullptr;
-  int wanted = 0, max_message = 0;
-  PyObject* handler = nullptr;
-  if (!PyArg_ParseTuple(args, "siiO", &host, &wanted, &max_message, &handler)) return -1;
+  static const char* kwlist[] = {"address", "max_message_bytes", "handler", "served", "relay", "unix",
+                                 "key_pem", "cert_pem", "client_ca_pem", nullptr};
+  const char* address = nullptr;
+  int max_message = 0;
+  PyObject *handler = nullptr, *served = nullptr, *relay = nullptr, *unix = nullptr;
+  PyObject *key = nullptr, *cert = nullptr, *client_ca = nullptr;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "siO|OOOOOO", const_cast<char**>(kwlist), &address, &max_message,
+                                   &handler, &served, &relay, &unix, &key, &cert, &client_ca))
+    return -1;
   if (!PyCallable_Check(handler)) {
     PyErr_SetString(PyExc_TypeError, "handler must be callable");
     return -1;
@@ -243,21 +428,64 @@ int front_init(PyObject* obj, PyObject* args, PyObject*) {
     PyErr_SetString(PyExc_RuntimeError, "already serving");
     return -1;
   }
+  std::vector<std::string> methods;
+  if (served != nullptr && served != Py_None) {
+    PyObject* seq = PySequence_Fast(served, "served must be a sequence of method names");
+    if (seq == nullptr) return -1;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+      const char* name = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
+      if (name == nullptr) {
+        Py_DECREF(seq);
+        return -1;
+      }
+      methods.emplace_back(name);
+    }
+    Py_DECREF(seq);
+  }
+  std::string relay_target, unix_path;
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  std::string ca;
+  bool has_relay = false, has_unix = false, has_key = false, has_cert = false, has_ca = false;
+  if (!optional_text(relay, "relay", &relay_target, &has_relay) || !optional_text(unix, "unix", &unix_path, &has_unix) ||
+      !optional_text(key, "key_pem", &pair.private_key, &has_key) ||
+      !optional_text(cert, "cert_pem", &pair.cert_chain, &has_cert) ||
+      !optional_text(client_ca, "client_ca_pem", &ca, &has_ca))
+    return -1;
+  if (has_key != has_cert || (has_ca && !has_key)) {
+    PyErr_SetString(PyExc_ValueError, "TLS needs key_pem and cert_pem together (client_ca_pem only with them)");
+    return -1;
+  }
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  if (has_key) {
+    grpc::SslServerCredentialsOptions tls(has_ca ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                                 : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    tls.pem_root_certs = ca;
+    tls.pem_key_cert_pairs.push_back(pair);
+    credentials = grpc::SslServerCredentials(tls);
+  }
+  std::shared_ptr<grpc::Channel> upstream;
+  if (has_relay) {
+    grpc::ChannelArguments arguments;  // the front enforces the caller's limits; upstream takes what it passes
+    arguments.SetMaxReceiveMessageSize(-1);
+    arguments.SetMaxSendMessageSize(-1);
+    upstream = grpc::CreateCustomChannel(relay_target, grpc::InsecureChannelCredentials(), arguments);
+  }
   Py_INCREF(handler);
   self->handler = handler;
-  self->service = new Service(handler);
-  std::string h(host);
-  std::string address = (h.find(':') != std::string::npos ? "[" + h + "]" : h) + ":" + std::to_string(wanted);
+  self->service = new Service(handler, std::move(methods), std::move(upstream));
+  std::string where(address);
   int port = 0;
   std::unique_ptr<grpc::Server> server;
   Py_BEGIN_ALLOW_THREADS grpc::ServerBuilder builder;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(where, credentials, &port);
+  if (has_unix) builder.AddListeningPort("unix:" + unix_path, grpc::InsecureServerCredentials());
   builder.SetMaxReceiveMessageSize(max_message);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterCallbackGenericService(self->service);
   server = builder.BuildAndStart();
   Py_END_ALLOW_THREADS if (!server || port == 0) {
-    PyErr_Format(PyExc_OSError, "the compiled gRPC front cannot listen on %s", address.c_str());
+    PyErr_Format(PyExc_OSError, "the compiled gRPC front cannot listen on %s%s%s", where.c_str(),
+                 has_unix ? " and unix:" : "", has_unix ? unix_path.c_str() : "");
     return -1;
   }
   self->server = server.release();
@@ -302,7 +530,8 @@ PyGetSetDef kFrontGetSet[] = {{"port", front_port, nullptr, "the bound port", nu
                               {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyTypeObject kFrontType = type_of("embedcar_front.Front", sizeof(FrontObject),
-                                  "Front(host, port, max_message_bytes, handler): serve gRPC, each call to handler",
+                                  "Front(address, max_message_bytes, handler, served=(), relay=None, unix=None, key_pem=None, "
+                                  "cert_pem=None, client_ca_pem=None): serve gRPC",
                                   kFrontMethods, front_dealloc, front_init, kFrontGetSet);
 
 // --- the blocking client ------------------------------------------------------------------------
@@ -310,26 +539,6 @@ struct ChannelObject {
   PyObject_HEAD std::shared_ptr<grpc::Channel>* channel;
   grpc::GenericStub* stub;
 };
-
-// Reads a str or bytes argument that may be None; false (an error set) for anything else.
-bool optional_text(PyObject* value, const char* what, std::string* out, bool* given) {
-  *given = value != nullptr && value != Py_None;
-  if (!*given) return true;
-  char* data = nullptr;
-  Py_ssize_t size = 0;
-  if (PyBytes_Check(value)) {
-    if (PyBytes_AsStringAndSize(value, &data, &size) < 0) return false;
-  } else if (PyUnicode_Check(value)) {
-    const char* utf8 = PyUnicode_AsUTF8AndSize(value, &size);
-    if (utf8 == nullptr) return false;
-    data = const_cast<char*>(utf8);
-  } else {
-    PyErr_Format(PyExc_TypeError, "%s must be bytes, str or None", what);
-    return false;
-  }
-  out->assign(data, static_cast<size_t>(size));
-  return true;
-}
 
 int channel_init(PyObject* obj, PyObject* args, PyObject*) {
   auto* self = reinterpret_cast<ChannelObject*>(obj);

@@ -1,0 +1,111 @@
+"""The main gRPC port served by the compiled front (sidecar.grpc_server=compiled, the default): Embed and
+Search on the front, a sparse one-text query on its own thread; Stream, health and reflection relayed to
+the grpc.aio server behind it with the caller's metadata, deadline and cancellation both ways.
+
+Real sidecars on free ports; the front is built from sidecar/native/front.cc (skipped, saying why, where
+it cannot build).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from demo_ui.settings import Settings
+from inference.errors import Unavailable
+from sidecar.app import SidecarThread
+from sidecar.client import AsyncClient, Client
+from sidecar.grpc_server import SERVICE
+from sidecar.proto import embedcar_pb2 as pb
+from tests.fixtures_sidecar import ProbeBackend, sidecar_settings, until
+from tests.test_sidecar_native_front import QUERIES, needs_front, passes
+
+STREAM = f"/{SERVICE}/Stream"
+
+
+def stream_request(rid: int, text: str) -> bytes:
+    return pb.StreamRequest(id=rid, embed=pb.EmbedRequest(texts=[text])).SerializeToString()
+
+
+@needs_front
+def test_the_main_port_answers_on_the_fronts_thread_and_relays_the_rest(settings: Settings) -> None:
+    with SidecarThread(sidecar_settings(settings, http_port=-1, cache_entries=0)) as sc, \
+            grpc.insecure_channel(sc.grpc_target) as ch, Client(sc.grpc_target) as c:
+        assert sc._main_front is not None  # the default: the compiled front took grpc_port
+        before = passes(sc, "front")
+        unary = []
+        for text in QUERIES:
+            time.sleep(0.2)  # sparse arrivals
+            unary.append(c.embed([text]).embeddings[0])
+        assert passes(sc, "front") - before == len(QUERIES)  # each on the thread that took it
+        # Stream: relayed message by message, both ways
+        stream = ch.stream_stream(STREAM)
+        replies = [pb.StreamReply.FromString(r)
+                   for r in stream(iter([stream_request(i + 1, t) for i, t in enumerate(QUERIES)]), timeout=30)]
+        assert sorted(r.id for r in replies) == list(range(1, len(QUERIES) + 1))
+        for r in replies:
+            got = np.frombuffer(r.embed.embeddings, dtype=np.float32)
+            np.testing.assert_allclose(got, unary[r.id - 1], atol=1e-5)
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        [listed] = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                  timeout=5))
+        names = {s.name for s in listed.list_services_response.service}
+        assert {SERVICE, "grpc.health.v1.Health"} <= names
+
+
+@needs_front
+def test_a_relayed_stream_carries_the_callers_key_and_deadline(settings: Settings, probe_backend: ProbeBackend) -> None:
+    key = "relay-key-1f2e3d4c5b"
+    with SidecarThread(sidecar_settings(settings, http_port=-1, cache_entries=0, api_keys=f"shop={key}"),
+                       backend=probe_backend) as sc, grpc.insecure_channel(sc.grpc_target) as ch:
+        stream = ch.stream_stream(STREAM)
+        with pytest.raises(grpc.RpcError) as no_key:  # the aio server's check, its status relayed
+            list(stream(iter([stream_request(1, "oat milk")]), timeout=10))
+        assert no_key.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        [ok] = list(stream(iter([stream_request(2, "oat milk")]), timeout=10, metadata=(("x-api-key", key),)))
+        assert pb.StreamReply.FromString(ok).id == 2
+        # The caller's deadline ends the call on both sides of the relay, and the relay serves on.
+        probe_backend.hold.clear()
+        try:
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as late:
+                list(stream(iter([stream_request(3, "rye bread")]), timeout=1.0, metadata=(("x-api-key", key),)))
+            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - started < 5
+        finally:
+            probe_backend.hold.set()
+        [again] = list(stream(iter([stream_request(4, "rye bread")]), timeout=10, metadata=(("x-api-key", key),)))
+        assert pb.StreamReply.FromString(again).embed.rows == 1
+
+
+@needs_front
+async def test_a_caller_leaving_a_relayed_stream_cancels_its_work(settings: Settings,
+                                                                   probe_backend: ProbeBackend) -> None:
+    """The stream's held query leads two unary callers of the same text; the stream's caller leaves: the
+    cancellation crosses the relay, and the joiners hear at once that their leader was cancelled."""
+    text = "blood orange sorbet"
+    with SidecarThread(sidecar_settings(settings, http_port=-1, cache_entries=0), backend=probe_backend) as sc:
+        joins = sc.models.default.metrics.singleflight_joins._value
+        probe_backend.hold.clear()
+        probe_backend.entered.clear()
+        try:
+            async with grpc.aio.insecure_channel(sc.grpc_target) as ch, AsyncClient(sc.grpc_target) as c:
+                call = ch.stream_stream(STREAM)()
+                await call.write(stream_request(1, text))
+                await until(probe_backend.entered.is_set, "the stream's query reached the backend")
+                before = joins.get()
+                followers = [asyncio.create_task(c.embed([text])) for _ in range(2)]
+                await until(lambda: joins.get() - before >= 2, "two callers joined the stream's query")
+                call.cancel()
+                got = await asyncio.wait_for(asyncio.gather(*followers, return_exceptions=True), 20)
+        finally:
+            probe_backend.hold.set()
+    assert all(isinstance(g, Unavailable) and "cancelled" in g.message for g in got), got
