@@ -205,12 +205,10 @@ def _serving(args: argparse.Namespace) -> int:
 
 # --- neighbour ------------------------------------------------------------------------------
 # loadtest.bench.neighbour.DEFAULT_CONFIGS and CONFIGS (not imported here: slow)
-NEIGHBOUR_CONFIGS = ("model-1t,model-2t,default,every-core,small-pass,executor,event-engine,stream,front,"
-                     "kernel-slice,spinning,before,triton")
-NEIGHBOUR_ALL_CONFIGS = ("model-1t,model-2t,default,every-core,small-pass,executor,event-engine,stream,front,"
-                         "kernel-slice,"
-                         "spinning,before,"
-                         "no-spin-bucket,triton,triton-front")
+NEIGHBOUR_CONFIGS = ("model-1t,model-2t,default,aio,every-core,small-pass,executor,event-engine,stream,stream-aio,"
+                     "kernel-slice,spinning,before,triton,triton-aio")
+NEIGHBOUR_ALL_CONFIGS = ("model-1t,model-2t,default,aio,every-core,small-pass,executor,event-engine,stream,stream-aio,"
+                         "front,kernel-slice,spinning,before,no-spin-bucket,triton,triton-aio,triton-front")
 
 
 def _register_neighbour(areas: Any) -> None:

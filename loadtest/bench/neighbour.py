@@ -29,10 +29,14 @@ shell's EMBEDCAR_* variables do not leak into them):
                       runs it on the event loop while arrivals are sparse and nothing waits)
   event-engine        + GRPC_EXPERIMENTS="" (gRPC's own default I/O: sockets on EventEngine threads,
                       which the sidecar turns off, inference.grpc_io)
+  aio                 + sidecar.grpc_server=aio: grpc.aio serves the main port (the default before the
+                      compiled front took it, sidecar/native_front.py)
   stream              the defaults, each query a message on one open `Stream` call (how a search node
-                      that keeps a stream open calls) instead of a unary Embed call
-  front               the defaults, the unary calls sent to the compiled gRPC front
-                      (sidecar.native_grpc_port, sidecar/native_front.py) instead of the main port
+                      that keeps a stream open calls) instead of a unary Embed call: relayed by the
+                      compiled front to the grpc.aio server behind it
+  stream-aio          the same on a grpc.aio main port (sidecar.grpc_server=aio): no relay
+  front               a grpc.aio main port and the compiled front on a port of its own
+                      (sidecar.native_grpc_port), the unary calls sent there
   kernel-slice        + sidecar.cpu_slice_us=0: the kernel's default slice for the sidecar's threads
                       instead of the short one they ask for (sidecar.cpu_slice)
   spinning            + model.ort_spinning=true
@@ -41,8 +45,9 @@ shell's EMBEDCAR_* variables do not leak into them):
   triton              the sidecar over a local tritonserver (CPU, Python backend); skipped, saying
                       why, where the binary cannot run. Its sidecar CPU excludes tritonserver's
                       (a separate column)
-  triton-front        the same, its calls sent to the compiled gRPC front (which hands each to the
-                      event loop: a Triton call waits for Triton)
+  triton-aio          the same with sidecar.grpc_server=aio (grpc.aio on the main port)
+  triton-front        a grpc.aio main port and the compiled front on a port of its own, its calls sent
+                      there
 
 Verdicts (issue #25's targets; a benchmark, not a gate: exit 0 whatever they say), per sidecar row,
 against the model beside it (or, with --pairs 0, the model rows: their lowest CPU per query and the
@@ -85,43 +90,49 @@ Record = dict[str, Any]
 
 # The embedded path's levers this bench compares: ("section.field", value) per configuration.
 LEVERS = ("model.intra_op_threads", "model.ort_spinning", "model.pad_multiple", "model.small_pass_tokens",
-          "sidecar.inline_forward", "sidecar.cpu_slice_us", "sidecar.native_grpc_port")
+          "sidecar.inline_forward", "sidecar.cpu_slice_us", "sidecar.grpc_server", "sidecar.native_grpc_port")
+AIO = {"sidecar.grpc_server": "aio"}
 EMBEDDED: dict[str, dict[str, object]] = {
     "default": {},
+    "aio": AIO,
     "every-core": {"model.intra_op_threads": os.cpu_count() or 1},
     "small-pass": {"model.small_pass_tokens": 64},
     "executor": {"sidecar.inline_forward": False},
     "event-engine": {EXPERIMENTS: ""},
     "stream": {},  # the defaults; its calls go on the Stream RPC (STREAMED)
-    "front": {},  # the defaults and the compiled front on a free port (FRONTED), its calls sent there
+    "stream-aio": AIO,
+    "front": AIO,  # and the compiled front on a free port (FRONTED), its calls sent there
     "kernel-slice": {"sidecar.cpu_slice_us": 0},
     "spinning": {"model.ort_spinning": True},
     "before": {"model.ort_spinning": True, "model.pad_multiple": 0},
     "no-spin-bucket": {"model.ort_spinning": False, "model.pad_multiple": 0},
 }
 MODEL = {"model-1t": 1, "model-2t": 0}  # ORT threads (0 = every core)
-TRITON = ("triton", "triton-front")  # the sidecar over a local tritonserver
+TRITON = {"triton": {}, "triton-aio": AIO, "triton-front": AIO}  # the sidecar over a local tritonserver
 CONFIGS = (*MODEL, *EMBEDDED, *TRITON)
-DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "every-core", "small-pass", "executor", "event-engine",
-                   "stream", "front", "kernel-slice", "spinning", "before", "triton")
-STREAMED = {"stream"}  # configurations whose queries are messages on one open Stream call
+DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "aio", "every-core", "small-pass", "executor",
+                   "event-engine", "stream", "stream-aio", "kernel-slice", "spinning", "before", "triton", "triton-aio")
+STREAMED = {"stream", "stream-aio"}  # configurations whose queries are messages on one open Stream call
 FRONTED = {"front", "triton-front"}  # configurations whose calls go to the compiled gRPC front
 DESCRIPTIONS = {
     "model-1t": "the model alone, in-process, 1 thread, exact lengths",
     "model-2t": "the model alone, in-process, all threads, exact lengths",
     "default": "sidecar, embedded, the defaults",
+    "aio": "sidecar, embedded, grpc.aio on the main port",
     "every-core": "sidecar, embedded, ORT on every core (the default before the threads were chosen)",
     "small-pass": "sidecar, embedded, short passes on a 1-thread session",
     "executor": "sidecar, embedded, every forward on a worker thread",
     "event-engine": "sidecar, embedded, gRPC's sockets on its EventEngine threads",
     "stream": "sidecar, embedded, the defaults, queries as Stream messages",
-    "front": "sidecar, embedded, the defaults, calls to the compiled gRPC front",
+    "stream-aio": "sidecar, embedded, grpc.aio on the main port, queries as Stream messages",
+    "front": "sidecar, embedded, grpc.aio main port, calls to the compiled front's own port",
     "kernel-slice": "sidecar, embedded, the kernel's default CPU slice",
     "spinning": "sidecar, embedded, ORT threads spin",
     "before": "sidecar, embedded, the old default (spinning, bucket padding)",
     "no-spin-bucket": "sidecar, embedded, no spinning, bucket padding",
     "triton": "sidecar, Triton backend (CPU)",
-    "triton-front": "sidecar, Triton backend (CPU), calls to the compiled gRPC front",
+    "triton-aio": "sidecar, Triton backend (CPU), grpc.aio on the main port",
+    "triton-front": "sidecar, Triton backend (CPU), grpc.aio main port, calls to the compiled front's own port",
 }
 CPU_MARGIN_MS = 1.0  # unary gRPC: the sidecar may add this much CPU per query to the model's own
 STREAM_CPU_MARGIN_MS = 0.6  # a message on an open Stream call: no call to set up per query
@@ -170,13 +181,13 @@ class NeighbourConfig:
 
 
 def embedded_env(config: str) -> dict[str, str]:
-    """The environment of an embedded configuration: every lever stated (defaults from the settings
+    """The environment of a sidecar configuration: every lever stated (defaults from the settings
     classes and inference.grpc_io), as EMBEDCAR_* and GRPC_EXPERIMENTS."""
     defaults = {"model": ModelSettings(), "sidecar": SidecarSettings()}
     values: dict[str, object] = {lever: getattr(defaults[lever.partition(".")[0]], lever.partition(".")[2])
                                  for lever in LEVERS}
     values[EXPERIMENTS] = POLLING_IO
-    values |= EMBEDDED[config]
+    values |= EMBEDDED.get(config) or TRITON.get(config) or {}
     return {(k if k == EXPERIMENTS else env_name(*k.split("."))): (str(v).lower() if isinstance(v, bool) else str(v))
             for k, v in values.items()}
 
@@ -365,7 +376,7 @@ def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_te
     with contextlib.ExitStack() as stack:
         pids: dict[str, int] = {}
         triton_url = None
-        env = embedded_env("default")  # the Triton sidecar's fallback model, when it loads one, as shipped
+        env = embedded_env(name)  # a Triton sidecar's fallback model, when it loads one, as shipped
         if name in TRITON:
             from inference.triton.launcher import TritonServer, triton_unavailable_reason
 
@@ -376,8 +387,6 @@ def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_te
             triton_url = server.grpc_url
             if server.pid is not None:
                 pids["tritonserver"] = server.pid
-        else:
-            env = embedded_env(name)
         front_port = None
         if name in FRONTED:
             front_port = free_port()
