@@ -1,8 +1,9 @@
 """The Sidecar: objects built in __init__ (no I/O), servers started in `start()`, graceful `stop()`.
 
-    async with Sidecar(settings) as sc:      # gRPC on sc.grpc_target, HTTP on sc.http_port,
-        ...                                  # gRPC also on sc.uds_target if sidecar.uds_path is set,
-                                             # Embed and Search on sc.native_grpc_port if its setting is
+    async with Sidecar(settings) as sc:      # gRPC on sc.grpc_target (served by sc.grpc_server: the
+        ...                                  # compiled front or grpc.aio), HTTP on sc.http_port, gRPC
+                                             # also on sc.uds_target if sidecar.uds_path is set, Embed
+                                             # and Search on sc.native_grpc_port if its setting is
 
 `SidecarThread` runs one on its own event loop in a background thread (tests, benchmarks).
 """
@@ -208,11 +209,16 @@ class Sidecar:
         self._monitor = loop.create_task(self._watch_backend(), name="backend-health")
         if s.model_poll_s > 0:
             self._rollout = loop.create_task(self.rollout.run(), name="model-rollout")
-        log.info("sidecar serving %s on grpc %s:%d%s%s, http %s", ", ".join(m.version_id for m in self.models),
-                 s.host, self.grpc_port,
+        log.info("sidecar serving %s on grpc %s:%d (%s)%s%s, http %s", ", ".join(m.version_id for m in self.models),
+                 s.host, self.grpc_port, self.grpc_server,
                  f" and {self.uds.path}" if self.uds is not None else "",
                  f", compiled front :{self.native_grpc_port}" if self.native_grpc_port is not None else "",
                  self.http_port if self.http_port is not None else "off")
+
+    @property
+    def grpc_server(self) -> str:
+        """What serves grpc_port: "compiled" (the compiled front, relaying to grpc.aio) or "aio"."""
+        return "compiled" if self._main_front is not None else "aio"
 
     @staticmethod
     def _front_builds() -> bool:

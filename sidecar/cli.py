@@ -20,10 +20,9 @@ log = logging.getLogger("sidecar")
 def add_sidecar_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     add_flags(p, "triton", TritonSettings, "urls")
-    add_flags(p, "sidecar", SidecarSettings, "models", "host", "grpc_port", "native_grpc_port", "uds_path", "http_port",
-              "backend",
-              "index_dir", "api_keys_file", "warm_queries_file", "cache_entries", "tls_cert_file", "tls_key_file",
-              "tls_client_ca_file")
+    add_flags(p, "sidecar", SidecarSettings, "models", "host", "grpc_port", "grpc_server", "native_grpc_port",
+              "uds_path", "http_port", "backend", "index_dir", "api_keys_file", "warm_queries_file", "cache_entries",
+              "tls_cert_file", "tls_key_file", "tls_client_ca_file")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -62,7 +61,7 @@ async def _serve_async(settings: Settings) -> None:
         loop.add_signal_handler(sig, stop.set)
     sidecar = Sidecar(settings, settle_heap=True)
     await sidecar.start()
-    print(f"sidecar ready: grpc {settings.sidecar.host}:{sidecar.grpc_port}"
+    print(f"sidecar ready: grpc {settings.sidecar.host}:{sidecar.grpc_port} ({sidecar.grpc_server})"
           f"{f', grpc {sidecar.uds_target}' if sidecar.uds_target is not None else ''}"
           f"{f', compiled grpc {settings.sidecar.host}:{sidecar.native_grpc_port}' if sidecar.native_grpc_port else ''}"
           f"{f', http {settings.sidecar.host}:{sidecar.http_port}' if sidecar.http_port is not None else ''}",

@@ -66,6 +66,18 @@ def _stream_id(raw: bytes) -> int:
         return 0
 
 
+def _stream_message(raw: bytes, arrived: float, stream_deadline: float | None) -> tuple[int, str, Any, float | None]:
+    """A Stream message's id, kind ("embed" or "search"), inner request and deadline. Raises InvalidInput
+    (its reply echoes the id where it can be read: `_stream_id`)."""
+    msg: pb.StreamRequest = _decode(pb.StreamRequest, raw)
+    kind = msg.WhichOneof("call")
+    _known_fields(msg)
+    if kind is None:
+        raise InvalidInput("stream request carries neither embed nor search")
+    inner = _known_fields(getattr(msg, kind))
+    return msg.id, kind, inner, arrived + msg.timeout_ms / 1000 if msg.timeout_ms else stream_deadline
+
+
 def _key_in(metadata: Any) -> str | None:
     for item in metadata or ():
         if item[0] == API_KEY:
@@ -141,14 +153,14 @@ class EmbedderServicer:
         gate = self.gate
 
         async def answer(raw: bytes) -> None:
-            reply = await self._stream_one(raw, key, stream_deadline)
+            reply = await self.stream_one(raw, key, stream_deadline)
             async with writing:
                 await context.write(reply.SerializeToString())
 
         async def refuse(raw: bytes, exc: EmbedcarError) -> None:
-            reply = pb.StreamReply(id=_stream_id(raw), error=self._error("stream", exc))
+            reply = self.stream_refusal(raw, exc)
             async with writing:
-                await context.write(reply.SerializeToString())
+                await context.write(reply)
 
         async with asyncio.TaskGroup() as tasks:  # the client leaving cancels what is still running
             async for raw in requests:
@@ -197,20 +209,40 @@ class EmbedderServicer:
     def count_error(self, rpc: str, exc: EmbedcarError) -> None:
         self.metrics.requests.labels(rpc, exc.code).inc()
 
-    async def _stream_one(self, raw: bytes, key: str | None, stream_deadline: float | None) -> pb.StreamReply:
+    def stream_refusal(self, raw: bytes, exc: EmbedcarError) -> bytes:
+        """A Stream message's error reply when it is refused before it is decoded (counted)."""
+        return bytes(pb.StreamReply(id=_stream_id(raw), error=self._error("stream", exc)).SerializeToString())
+
+    def stream_now(self, raw: bytes, key: str | None, stream_deadline: float | None) -> tuple[bytes | None, bool]:
+        """A Stream message's reply computed on the calling thread (an Embed that needs no waiting:
+        EmbedService.embed_now; an error is its reply), or None and whether the key was checked and a
+        rate-limit token taken: finish it with `stream_one(..., authenticated=...)` on the loop."""
+        rid, rpc = 0, "stream"
+        try:
+            rid, rpc, inner, deadline = _stream_message(raw, time.monotonic(), stream_deadline)
+            if rpc != "embed":
+                return None, False
+            out = self.service.embed_now(inner.texts, model=inner.model or None, api_key=key, deadline=deadline)
+            if out is None:
+                return None, True
+            self._ok["embed"].inc()
+            reply = pb.StreamReply(id=rid, embed=_embed_reply(inner, out))
+        except EmbedcarError as exc:
+            reply = pb.StreamReply(id=rid or _stream_id(raw), error=self._error(rpc, exc))
+        except Exception as exc:
+            reply = pb.StreamReply(id=rid, error=self._error(rpc, Internal(f"unexpected error: {type(exc).__name__}")))
+        return bytes(reply.SerializeToString()), False
+
+    async def stream_one(self, raw: bytes, key: str | None, stream_deadline: float | None, *,
+                         authenticated: bool = False) -> pb.StreamReply:
+        """A Stream message's reply (an error is its reply)."""
         arrived = time.monotonic()
         rid, rpc = 0, "stream"
         try:
-            msg: pb.StreamRequest = _decode(pb.StreamRequest, raw)
-            rid, kind = msg.id, msg.WhichOneof("call")  # the id first: a refusal below can echo it
-            _known_fields(msg)
-            if kind is None:
-                raise InvalidInput("stream request carries neither embed nor search")
-            rpc, inner = kind, _known_fields(getattr(msg, kind))
-            deadline = arrived + msg.timeout_ms / 1000 if msg.timeout_ms else stream_deadline
-            reply = await self._handle(rpc, inner, key, deadline)
+            rid, rpc, inner, deadline = _stream_message(raw, arrived, stream_deadline)
+            reply = await self._handle(rpc, inner, key, deadline, authenticated=authenticated)
         except EmbedcarError as exc:
-            return pb.StreamReply(id=rid, error=self._error(rpc, exc))
+            return pb.StreamReply(id=rid or _stream_id(raw), error=self._error(rpc, exc))
         except Exception as exc:
             return pb.StreamReply(id=rid, error=self._error(rpc, Internal(f"unexpected error: {type(exc).__name__}")))
         return pb.StreamReply(id=rid, **{rpc: reply})

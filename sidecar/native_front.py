@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "native" / "front.cc"
 METHODS = {f"/{SERVICE}/Embed": "embed", f"/{SERVICE}/Search": "search"}
+STREAM = f"/{SERVICE}/Stream"
 _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
 _CANCELLED = grpc.StatusCode.CANCELLED.value[0]
 _CALLER_LEFT = "the caller cancelled the call"
@@ -132,7 +133,7 @@ class NativeFront:
                     "client_ca_pem": tls.client_ca} if tls else {}
             with owner_only_files() if unix is not None else contextlib.nullcontext():
                 self._front = module.Front(grpc_address(host, port), max_message_bytes, self._on_call,
-                                           served=tuple(METHODS), relay=relay,
+                                           served=(*METHODS, STREAM), streamed=STREAM, relay=relay,
                                            unix=str(unix) if unix is not None else None, **pems)
         finally:
             if ours:
@@ -153,10 +154,13 @@ class NativeFront:
 
     # --- on the front's gRPC thread, with the GIL ---------------------------------------------------
     def _on_call(self, method: str, raw: bytes, key: str | None, timeout_s: float, call: Any) -> None:
+        if method == STREAM:
+            self._on_message(raw, key, timeout_s, call)
+            return
         rpc = METHODS.get(method)
         if rpc is None:
-            call.fail(_UNIMPLEMENTED, f"{method} is not served on sidecar.native_grpc_port: Embed and Search only "
-                      "(Stream, health and reflection are on the main gRPC port)")
+            call.fail(_UNIMPLEMENTED, f"{method} is not served on sidecar.native_grpc_port: Embed, Search and "
+                      "Stream only (health and reflection are on the main gRPC port)")
             return
         deadline = time.monotonic() + timeout_s if math.isfinite(timeout_s) else None
         authenticated = False
@@ -193,6 +197,45 @@ class NativeFront:
             self._taken()
             self._fail(call, rpc, Unavailable("the sidecar is shutting down"))
 
+    def _on_message(self, raw: bytes, key: str | None, timeout_s: float, stream: Any) -> None:
+        """One Stream message, as EmbedderServicer.stream takes it: the key checked once per stream, each
+        message refused by the gate or answered (here where it needs no waiting, else by a task on the
+        loop), an error as its reply."""
+        servicer = self._servicer
+        state: _Stream | None = stream.state
+        if state is None:  # the stream's first message
+            try:
+                servicer.service.keys.tenant_for(key)
+            except EmbedcarError as exc:
+                servicer.count_error("stream", exc)
+                stream.fail(grpc_code(exc).value[0], exc.message)
+                return
+            state = stream.state = _Stream(time.monotonic() + timeout_s if math.isfinite(timeout_s) else None)
+            stream.on_cancel(functools.partial(self._loop.call_soon_threadsafe, state.cancel))
+        gate = servicer.gate
+        refused = gate.enter() if gate is not None else None
+        if refused is not None:
+            stream.write(servicer.stream_refusal(raw, refused))
+            return
+        authenticated = False
+        lock = self._lock
+        if lock is not None and lock.acquire(blocking=False):
+            self._holding.held = True
+            try:
+                reply, authenticated = servicer.stream_now(raw, key, state.deadline)
+            finally:
+                self._holding.held = False
+                lock.release()
+            if reply is not None:
+                if gate is not None:
+                    gate.leave()
+                stream.write(reply)
+                return
+        try:
+            self._loop.call_soon_threadsafe(self._stream_later, raw, key, state, stream, authenticated)
+        except RuntimeError:  # the loop has closed: the sidecar is gone
+            stream.fail(grpc.StatusCode.UNAVAILABLE.value[0], "the sidecar is shutting down")
+
     def _taken(self) -> None:
         with self._waiting_lock:
             self._waiting -= 1
@@ -213,6 +256,23 @@ class NativeFront:
         # tells them at once). On a gRPC thread: the loop is told, not touched.
         call.on_cancel(functools.partial(self._loop.call_soon_threadsafe, task.cancel, _CALLER_LEFT))
 
+    def _stream_later(self, raw: bytes, key: str | None, state: _Stream, stream: Any, authenticated: bool) -> None:
+        gate = self._servicer.gate
+        if state.cancelled:
+            if gate is not None:
+                gate.leave()
+            return
+        task = self._loop.create_task(self._stream_answer(raw, key, state, stream, authenticated))
+        state.tasks.add(task)
+        task.add_done_callback(state.tasks.discard)
+        if gate is not None:  # a callback, not `finally`: a task cancelled before it ran counts too
+            task.add_done_callback(lambda _t: gate.leave())
+
+    async def _stream_answer(self, raw: bytes, key: str | None, state: _Stream, stream: Any,
+                             authenticated: bool) -> None:
+        reply = await self._servicer.stream_one(raw, key, state.deadline, authenticated=authenticated)
+        stream.write(reply.SerializeToString())
+
     async def _answer(self, rpc: str, raw: bytes, key: str | None, deadline: float | None, call: Any,
                       authenticated: bool) -> None:
         try:
@@ -229,3 +289,20 @@ class NativeFront:
             self._fail(call, rpc, Internal(f"unexpected error: {type(exc).__name__}"))
         else:
             call.reply(body)
+
+
+class _Stream:
+    """One Stream call's state on the front: its deadline and the tasks answering its messages on the loop
+    (cancelled, on the loop, when the caller leaves)."""
+
+    __slots__ = ("cancelled", "deadline", "tasks")
+
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline = deadline
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        for task in self.tasks:
+            task.cancel()

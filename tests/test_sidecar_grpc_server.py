@@ -1,6 +1,6 @@
-"""The main gRPC port served by the compiled front (sidecar.grpc_server=compiled, the default): Embed and
-Search on the front, a sparse one-text query on its own thread; Stream, health and reflection relayed to
-the grpc.aio server behind it with the caller's metadata, deadline and cancellation both ways.
+"""The main gRPC port served by the compiled front (sidecar.grpc_server=compiled, the default): Embed,
+Search and Stream on the front, a sparse one-text query on its own thread; health and reflection relayed
+to the grpc.aio server behind it with the caller's metadata, deadline and cancellation both ways.
 
 Real sidecars on free ports; the front is built from sidecar/native/front.cc (skipped, saying why, where
 it cannot build).
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -35,6 +36,8 @@ def stream_request(rid: int, text: str) -> bytes:
 
 @needs_front
 def test_the_main_port_answers_on_the_fronts_thread_and_relays_the_rest(settings: Settings) -> None:
+    """Sparse one-text Embeds and Stream messages each on the thread that took them; health and reflection
+    relayed."""
     with SidecarThread(sidecar_settings(settings, http_port=-1, cache_entries=0)) as sc, \
             grpc.insecure_channel(sc.grpc_target) as ch, Client(sc.grpc_target) as c:
         assert sc._main_front is not None  # the default: the compiled front took grpc_port
@@ -44,14 +47,24 @@ def test_the_main_port_answers_on_the_fronts_thread_and_relays_the_rest(settings
             time.sleep(0.2)  # sparse arrivals
             unary.append(c.embed([text]).embeddings[0])
         assert passes(sc, "front") - before == len(QUERIES)  # each on the thread that took it
-        # Stream: relayed message by message, both ways
+        # Stream: every message answered, sparse ones on the front's thread, a burst's wherever it can
         stream = ch.stream_stream(STREAM)
-        replies = [pb.StreamReply.FromString(r)
-                   for r in stream(iter([stream_request(i + 1, t) for i, t in enumerate(QUERIES)]), timeout=30)]
-        assert sorted(r.id for r in replies) == list(range(1, len(QUERIES) + 1))
-        for r in replies:
-            got = np.frombuffer(r.embed.embeddings, dtype=np.float32)
-            np.testing.assert_allclose(got, unary[r.id - 1], atol=1e-5)
+        before = passes(sc, "front")
+
+        def sparse() -> Iterator[bytes]:
+            for i, t in enumerate(QUERIES):
+                time.sleep(0.2)
+                yield stream_request(i + 1, t)
+
+        burst = [stream_request(i + 1, t) for i, t in enumerate(QUERIES)]
+        for messages, on_front in ((sparse(), len(QUERIES)), (burst, 0)):
+            replies = [pb.StreamReply.FromString(r) for r in stream(iter(messages), timeout=30)]
+            assert sorted(r.id for r in replies) == list(range(1, len(QUERIES) + 1))
+            for r in replies:
+                got = np.frombuffer(r.embed.embeddings, dtype=np.float32)
+                np.testing.assert_allclose(got, unary[r.id - 1], atol=1e-5)
+            assert passes(sc, "front") - before >= on_front
+            before = passes(sc, "front")
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
@@ -62,17 +75,29 @@ def test_the_main_port_answers_on_the_fronts_thread_and_relays_the_rest(settings
 
 
 @needs_front
-def test_a_relayed_stream_carries_the_callers_key_and_deadline(settings: Settings, probe_backend: ProbeBackend) -> None:
+def test_keys_and_deadlines_hold_on_the_stream_and_through_the_relay(settings: Settings,
+                                                                      probe_backend: ProbeBackend) -> None:
     key = "relay-key-1f2e3d4c5b"
     with SidecarThread(sidecar_settings(settings, http_port=-1, cache_entries=0, api_keys=f"shop={key}"),
                        backend=probe_backend) as sc, grpc.insecure_channel(sc.grpc_target) as ch:
+        # Relayed: the grpc.aio server's key check sees the caller's metadata; its status comes back.
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        with pytest.raises(grpc.RpcError) as denied:
+            list(refl.ServerReflectionInfo(iter([ask]), timeout=5))
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        [listed] = list(refl.ServerReflectionInfo(iter([ask]), timeout=5, metadata=(("x-api-key", key),)))
+        assert listed.list_services_response.service
+        with pytest.raises(grpc.RpcError) as watched:  # a relayed watch ends at the caller's deadline
+            list(health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=1.0))
+        assert watched.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         stream = ch.stream_stream(STREAM)
-        with pytest.raises(grpc.RpcError) as no_key:  # the aio server's check, its status relayed
+        with pytest.raises(grpc.RpcError) as no_key:
             list(stream(iter([stream_request(1, "oat milk")]), timeout=10))
         assert no_key.value.code() == grpc.StatusCode.UNAUTHENTICATED
         [ok] = list(stream(iter([stream_request(2, "oat milk")]), timeout=10, metadata=(("x-api-key", key),)))
         assert pb.StreamReply.FromString(ok).id == 2
-        # The caller's deadline ends the call on both sides of the relay, and the relay serves on.
+        # The caller's deadline ends a stream whose query is held, and the front serves on.
         probe_backend.hold.clear()
         try:
             started = time.monotonic()
@@ -87,10 +112,10 @@ def test_a_relayed_stream_carries_the_callers_key_and_deadline(settings: Setting
 
 
 @needs_front
-async def test_a_caller_leaving_a_relayed_stream_cancels_its_work(settings: Settings,
+async def test_a_caller_leaving_a_stream_cancels_its_work(settings: Settings,
                                                                    probe_backend: ProbeBackend) -> None:
     """The stream's held query leads two unary callers of the same text; the stream's caller leaves: the
-    cancellation crosses the relay, and the joiners hear at once that their leader was cancelled."""
+    stream's task on the loop is cancelled, and the joiners hear at once that their leader was cancelled."""
     text = "blood orange sorbet"
     with SidecarThread(sidecar_settings(settings, http_port=-1, cache_entries=0), backend=probe_backend) as sc:
         joins = sc.models.default.metrics.singleflight_joins._value

@@ -88,7 +88,7 @@ def test_errors_are_the_main_ports(front: Sidecar) -> None:
         assert c.embed(["still serving"]).embeddings.shape == (1, 384)
     channel = grpc.insecure_channel(front_target(front))
     with pytest.raises(grpc.RpcError) as err:
-        channel.stream_stream("/embedcar.v1.Embedder/Stream")(iter([b""])).__next__()
+        channel.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=5)
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and "main gRPC port" in (err.value.details() or "")
     channel.close()
 

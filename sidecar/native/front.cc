@@ -7,9 +7,14 @@
 // Why: a grpc.aio call wakes gRPC's poller thread and then the event loop; this wakes one thread
 // (docs/benchmarks.md, "A compiled gRPC front").
 //
-//   front = embedcar_front.Front(address, max_message_bytes, handler, served=(), relay=None, unix=None,
-//                                key_pem=None, cert_pem=None, client_ca_pem=None)
+//   front = embedcar_front.Front(address, max_message_bytes, handler, served=(), streamed=None, relay=None,
+//                                unix=None, key_pem=None, cert_pem=None, client_ca_pem=None)
 //   handler(method, request, api_key, timeout_s, call); front.port; front.stop(grace_s)
+//
+// The `streamed` method (a bidirectional stream) goes to the handler message by message, each with the
+// same StreamCall for the stream: stream.write(reply) once per message (in any order), stream.fail(code,
+// message) ends it at once, stream.on_cancel(fn), stream.state (Python's). It ends OK once the caller
+// has half-closed and every message has its reply.
 //   call.reply(body: bytes); call.fail(code: int, message: str, retry_after: str | None = None)
 //   call.on_cancel(fn)  # fn() when the caller cancels the call (a Python task answering it can stop)
 //
@@ -37,6 +42,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <deque>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -233,28 +239,44 @@ PyTypeObject kCallType = type_of("embedcar_front.Call", sizeof(CallObject),
                                  "One gRPC call taken by the front: answer it once with reply() or fail().",
                                  kCallMethods, call_dealloc);
 
+// With the GIL: handler(method, body, api_key, timeout_s, call); false if it raised (a bug, reported
+// without a traceback kept).
+bool hand_to_python(PyObject* handler, grpc::GenericCallbackServerContext* ctx, const std::string& body,
+                    PyObject* call) {
+  PyObject* py_key = nullptr;
+  for (const auto& [k, v] : ctx->client_metadata()) {
+    if (k == kApiKey) {
+      py_key = PyUnicode_DecodeUTF8(v.data(), static_cast<Py_ssize_t>(v.size()), "replace");
+      break;
+    }
+  }
+  if (py_key == nullptr) {
+    PyErr_Clear();
+    py_key = Py_NewRef(Py_None);
+  }
+  double timeout_s = std::numeric_limits<double>::infinity();
+  auto deadline = ctx->deadline();
+  if (deadline != std::chrono::system_clock::time_point::max()) {
+    timeout_s = std::chrono::duration<double>(deadline - std::chrono::system_clock::now()).count();
+  }
+  const std::string& method = ctx->method();
+  PyObject* result = PyObject_CallFunction(handler, "s#y#OdO", method.data(), static_cast<Py_ssize_t>(method.size()),
+                                           body.data(), static_cast<Py_ssize_t>(body.size()), py_key, timeout_s, call);
+  Py_DECREF(py_key);
+  if (result == nullptr) {
+    PyErr_WriteUnraisable(handler);
+    return false;
+  }
+  Py_DECREF(result);
+  return true;
+}
+
 void Reactor::OnReadDone(bool ok) {
   if (!ok) {
     Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the call carried no request message"));
     return;
   }
   std::string body = joined(request_);
-  std::string key;
-  bool has_key = false;
-  for (const auto& [k, v] : ctx_->client_metadata()) {
-    if (k == kApiKey) {
-      key.assign(v.data(), v.size());
-      has_key = true;
-      break;
-    }
-  }
-  double timeout_s = std::numeric_limits<double>::infinity();
-  auto deadline = ctx_->deadline();
-  if (deadline != std::chrono::system_clock::time_point::max()) {
-    timeout_s = std::chrono::duration<double>(deadline - std::chrono::system_clock::now()).count();
-  }
-  const std::string& method = ctx_->method();
-
   PyGILState_STATE gil = enter_python();
   auto* call = PyObject_New(CallObject, &kCallType);
   if (call == nullptr) {
@@ -264,19 +286,255 @@ void Reactor::OnReadDone(bool ok) {
     return;
   }
   call->reactor = this;
-  PyObject* py_key = has_key ? PyUnicode_DecodeUTF8(key.data(), static_cast<Py_ssize_t>(key.size()), "replace")
-                             : (Py_INCREF(Py_None), Py_None);
-  PyObject* result = PyObject_CallFunction(handler_, "s#y#OdO", method.data(), static_cast<Py_ssize_t>(method.size()),
-                                           body.data(), static_cast<Py_ssize_t>(body.size()), py_key, timeout_s,
-                                           reinterpret_cast<PyObject*>(call));
-  Py_XDECREF(py_key);
-  if (result == nullptr) {  // the handler raised: a bug, reported (no traceback kept), the call failed
-    PyErr_WriteUnraisable(handler_);
+  if (!hand_to_python(handler_, ctx_, body, reinterpret_cast<PyObject*>(call)))
     fail_unanswered(call, "the sidecar failed to take this call");
-  }
-  Py_XDECREF(result);
   Py_DECREF(reinterpret_cast<PyObject*>(call));  // unanswered and unreferenced: dealloc fails it
   PyGILState_Release(gil);
+}
+
+// A Stream call served by the front: each message goes to the handler (with the same StreamCall object
+// every time) as it arrives, the next read at once; replies are written in the order Python gives them,
+// one at a time. The call ends OK once the caller has stopped sending and every message has its reply,
+// at once with the status Python gives (`fail`), or when the caller cancels or its deadline passes.
+class Streamer;
+struct StreamObject {
+  PyObject_HEAD Streamer* streamer;  // null once the call is done (guarded by the GIL)
+  PyObject* state;                   // Python's, per stream
+};
+
+class Streamer : public grpc::ServerGenericBidiReactor {
+ public:
+  Streamer(grpc::GenericCallbackServerContext* ctx, PyObject* handler, StreamObject* call)
+      : ctx_(ctx), handler_(handler), call_(call) {
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override;
+  void OnWriteDone(bool ok) override {
+    bool next = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      writing_ = false;
+      if (!ok) broken_ = true;
+      if (!broken_ && !ended_ && !queue_.empty()) {
+        writing_ = next = true;
+        reply_ = std::move(queue_.front());
+        queue_.pop_front();
+      }
+    }
+    if (next) {
+      StartWrite(&reply_);
+    } else {
+      MaybeFinish();
+    }
+  }
+  void OnCancel() override;
+  void OnDone() override;
+
+  // With the GIL (never released here: the call stays alive meanwhile). One reply owed less.
+  void Write(const char* data, size_t size) {
+    grpc::Slice slice(data, size);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (owed_ > 0) --owed_;
+      if (broken_ || ended_ || finished_) return;
+      if (writing_) {
+        queue_.emplace_back(&slice, 1);
+        return;
+      }
+      writing_ = true;
+      reply_ = grpc::ByteBuffer(&slice, 1);
+    }
+    StartWrite(&reply_);
+  }
+  void End(grpc::Status status) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (ended_) return;
+      ended_ = true;
+      status_ = std::move(status);
+      queue_.clear();
+    }
+    MaybeFinish();
+  }
+
+  PyObject* on_cancel_ = nullptr;  // guarded by the GIL
+  bool cancelled_ = false;         // guarded by the GIL
+
+ private:
+  void MaybeFinish() {
+    grpc::Status status;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_ || writing_) return;
+      bool drained = reads_done_ && owed_ == 0 && queue_.empty();
+      if (!(ended_ || broken_ || caller_gone_ || drained)) return;
+      finished_ = true;
+      status = ended_ ? status_ : broken_ || caller_gone_ ? grpc::Status::CANCELLED : grpc::Status::OK;
+    }
+    Finish(status);
+  }
+
+  grpc::GenericCallbackServerContext* ctx_;
+  PyObject* handler_;
+  StreamObject* call_;  // a reference held until OnDone
+  grpc::ByteBuffer request_, reply_;
+  std::mutex mu_;
+  std::deque<grpc::ByteBuffer> queue_;
+  grpc::Status status_;
+  size_t owed_ = 0;
+  bool writing_ = false, reads_done_ = false, ended_ = false, broken_ = false, caller_gone_ = false,
+       finished_ = false;
+};
+
+void Streamer::OnReadDone(bool ok) {
+  if (!ok) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      reads_done_ = true;
+    }
+    MaybeFinish();
+    return;
+  }
+  std::string body = joined(request_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++owed_;
+  }
+  PyGILState_STATE gil = enter_python();
+  if (!hand_to_python(handler_, ctx_, body, reinterpret_cast<PyObject*>(call_)))
+    End(grpc::Status(grpc::StatusCode::INTERNAL, "the sidecar failed to take a message of this stream"));
+  PyGILState_Release(gil);
+  bool more = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    more = !ended_ && !broken_ && !caller_gone_;
+    if (!more) reads_done_ = true;
+  }
+  if (more) {
+    StartRead(&request_);
+  } else {
+    MaybeFinish();
+  }
+}
+
+void Streamer::OnCancel() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    caller_gone_ = true;
+  }
+  PyGILState_STATE gil = enter_python();
+  cancelled_ = true;
+  PyObject* fn = on_cancel_;
+  on_cancel_ = nullptr;
+  if (fn != nullptr) call_now(fn);
+  PyGILState_Release(gil);
+  MaybeFinish();
+}
+
+void Streamer::OnDone() {
+  PyGILState_STATE gil = enter_python();
+  call_->streamer = nullptr;  // Python may keep the object: its writes go nowhere now
+  Py_CLEAR(on_cancel_);
+  Py_DECREF(reinterpret_cast<PyObject*>(call_));
+  PyGILState_Release(gil);
+  delete this;
+}
+
+Streamer* live(PyObject* obj) {
+  Streamer* streamer = reinterpret_cast<StreamObject*>(obj)->streamer;
+  if (streamer == nullptr) PyErr_SetString(PyExc_RuntimeError, "this stream has ended");
+  return streamer;
+}
+
+PyObject* stream_write(PyObject* obj, PyObject* args) {
+  const char* data = nullptr;
+  Py_ssize_t size = 0;
+  if (!PyArg_ParseTuple(args, "y#", &data, &size)) return nullptr;
+  Streamer* streamer = reinterpret_cast<StreamObject*>(obj)->streamer;
+  if (streamer != nullptr) streamer->Write(data, static_cast<size_t>(size));  // else the caller is gone
+  Py_RETURN_NONE;
+}
+
+PyObject* stream_fail(PyObject* obj, PyObject* args) {
+  int code = 0;
+  const char* message = nullptr;
+  if (!PyArg_ParseTuple(args, "is", &code, &message)) return nullptr;
+  if (code <= 0 || code > 16) {
+    PyErr_SetString(PyExc_ValueError, "a failure's code is a gRPC status number 1-16");
+    return nullptr;
+  }
+  Streamer* streamer = reinterpret_cast<StreamObject*>(obj)->streamer;
+  if (streamer != nullptr) streamer->End(grpc::Status(static_cast<grpc::StatusCode>(code), message));
+  Py_RETURN_NONE;
+}
+
+PyObject* stream_on_cancel(PyObject* obj, PyObject* fn) {
+  Streamer* streamer = live(obj);
+  if (streamer == nullptr) return nullptr;
+  if (!PyCallable_Check(fn)) {
+    PyErr_SetString(PyExc_TypeError, "on_cancel takes a callable");
+    return nullptr;
+  }
+  Py_INCREF(fn);
+  if (streamer->cancelled_) {
+    call_now(fn);
+  } else {
+    Py_XSETREF(streamer->on_cancel_, fn);
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* stream_get_state(PyObject* obj, void*) {
+  PyObject* state = reinterpret_cast<StreamObject*>(obj)->state;
+  return Py_NewRef(state != nullptr ? state : Py_None);
+}
+
+int stream_set_state(PyObject* obj, PyObject* value, void*) {
+  Py_XINCREF(value);
+  Py_XSETREF(reinterpret_cast<StreamObject*>(obj)->state, value);
+  return 0;
+}
+
+void stream_dealloc(PyObject* obj) {
+  Py_CLEAR(reinterpret_cast<StreamObject*>(obj)->state);
+  Py_TYPE(obj)->tp_free(obj);
+}
+
+PyMethodDef kStreamMethods[] = {
+    {"write", stream_write, METH_VARARGS, "write(reply: bytes): one message's reply (after earlier ones)"},
+    {"fail", stream_fail, METH_VARARGS, "fail(code, message): end the stream with this status now"},
+    {"on_cancel", stream_on_cancel, METH_O, "on_cancel(fn): fn() on a gRPC thread when the caller cancels"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyGetSetDef kStreamGetSet[] = {{"state", stream_get_state, stream_set_state, "Python's, per stream", nullptr},
+                               {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyTypeObject kStreamType = type_of("embedcar_front.StreamCall", sizeof(StreamObject),
+                                   "One Stream call taken by the front: write() each message's reply.",
+                                   kStreamMethods, stream_dealloc, nullptr, kStreamGetSet);
+
+// Ends a call at once with `status` (a Stream the front cannot take).
+class Refused : public grpc::ServerGenericBidiReactor {
+ public:
+  explicit Refused(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
+// A Streamer with its Python object (made here, with the GIL).
+grpc::ServerGenericBidiReactor* new_streamer(grpc::GenericCallbackServerContext* ctx, PyObject* handler) {
+  PyGILState_STATE gil = enter_python();
+  auto* call = PyObject_New(StreamObject, &kStreamType);
+  if (call == nullptr) {
+    PyErr_Clear();
+    PyGILState_Release(gil);
+    return new Refused(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "out of memory"));
+  }
+  call->state = nullptr;
+  auto* streamer = new Streamer(ctx, handler, call);
+  call->streamer = streamer;
+  PyGILState_Release(gil);
+  return streamer;
 }
 
 // A call the front does not serve itself, relayed to the server behind it (`relay`): each message the
@@ -365,11 +623,13 @@ class Relay : public grpc::ServerGenericBidiReactor {
 
 class Service : public grpc::CallbackGenericService {
  public:
-  Service(PyObject* handler, std::vector<std::string> served, std::shared_ptr<grpc::Channel> relay)
-      : handler_(handler), served_(std::move(served)), relay_(std::move(relay)) {
+  Service(PyObject* handler, std::vector<std::string> served, std::string streamed,
+          std::shared_ptr<grpc::Channel> relay)
+      : handler_(handler), served_(std::move(served)), streamed_(std::move(streamed)), relay_(std::move(relay)) {
     if (relay_) stub_ = std::make_unique<grpc::GenericStub>(relay_);
   }
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
+    if (!streamed_.empty() && ctx->method() == streamed_) return new_streamer(ctx, handler_);
     if (stub_ && std::find(served_.begin(), served_.end(), ctx->method()) == served_.end())
       return new Relay(ctx, stub_.get());
     return new Reactor(ctx, handler_);
@@ -378,6 +638,7 @@ class Service : public grpc::CallbackGenericService {
  private:
   PyObject* handler_;
   std::vector<std::string> served_;
+  std::string streamed_;
   std::shared_ptr<grpc::Channel> relay_;
   std::unique_ptr<grpc::GenericStub> stub_;
 };
@@ -411,14 +672,14 @@ struct FrontObject {
 
 int front_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<FrontObject*>(obj);
-  static const char* kwlist[] = {"address", "max_message_bytes", "handler", "served", "relay", "unix",
+  static const char* kwlist[] = {"address", "max_message_bytes", "handler", "served", "streamed", "relay", "unix",
                                  "key_pem", "cert_pem", "client_ca_pem", nullptr};
   const char* address = nullptr;
   int max_message = 0;
-  PyObject *handler = nullptr, *served = nullptr, *relay = nullptr, *unix = nullptr;
+  PyObject *handler = nullptr, *served = nullptr, *streamed = nullptr, *relay = nullptr, *unix = nullptr;
   PyObject *key = nullptr, *cert = nullptr, *client_ca = nullptr;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "siO|OOOOOO", const_cast<char**>(kwlist), &address, &max_message,
-                                   &handler, &served, &relay, &unix, &key, &cert, &client_ca))
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "siO|OOOOOOO", const_cast<char**>(kwlist), &address, &max_message,
+                                   &handler, &served, &streamed, &relay, &unix, &key, &cert, &client_ca))
     return -1;
   if (!PyCallable_Check(handler)) {
     PyErr_SetString(PyExc_TypeError, "handler must be callable");
@@ -442,11 +703,12 @@ int front_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
     }
     Py_DECREF(seq);
   }
-  std::string relay_target, unix_path;
+  std::string relay_target, unix_path, stream_method;
   grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
   std::string ca;
-  bool has_relay = false, has_unix = false, has_key = false, has_cert = false, has_ca = false;
-  if (!optional_text(relay, "relay", &relay_target, &has_relay) || !optional_text(unix, "unix", &unix_path, &has_unix) ||
+  bool has_relay = false, has_unix = false, has_key = false, has_cert = false, has_ca = false, has_stream = false;
+  if (!optional_text(streamed, "streamed", &stream_method, &has_stream) ||
+      !optional_text(relay, "relay", &relay_target, &has_relay) || !optional_text(unix, "unix", &unix_path, &has_unix) ||
       !optional_text(key, "key_pem", &pair.private_key, &has_key) ||
       !optional_text(cert, "cert_pem", &pair.cert_chain, &has_cert) ||
       !optional_text(client_ca, "client_ca_pem", &ca, &has_ca))
@@ -472,7 +734,7 @@ int front_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
   }
   Py_INCREF(handler);
   self->handler = handler;
-  self->service = new Service(handler, std::move(methods), std::move(upstream));
+  self->service = new Service(handler, std::move(methods), std::move(stream_method), std::move(upstream));
   std::string where(address);
   int port = 0;
   std::unique_ptr<grpc::Server> server;
@@ -661,7 +923,7 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "embedcar_front", "The sidecar's c
 
 PyMODINIT_FUNC PyInit_embedcar_front() {
   const std::pair<const char*, PyTypeObject*> types[] = {
-      {"Front", &kFrontType}, {"Call", &kCallType}, {"Channel", &kChannelType}};
+      {"Front", &kFrontType}, {"Call", &kCallType}, {"StreamCall", &kStreamType}, {"Channel", &kChannelType}};
   for (const auto& [name, type] : types)
     if (PyType_Ready(type) < 0) return nullptr;
   PyObject* m = PyModule_Create(&kModule);
