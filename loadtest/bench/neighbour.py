@@ -91,7 +91,7 @@ Record = dict[str, Any]
 # The embedded path's levers this bench compares: ("section.field", value) per configuration.
 LEVERS = ("model.intra_op_threads", "model.ort_spinning", "model.pad_multiple", "model.small_pass_tokens",
           "sidecar.inline_forward", "sidecar.cpu_slice_us", "sidecar.grpc_server", "sidecar.native_grpc_port")
-AIO = {"sidecar.grpc_server": "aio"}
+AIO: dict[str, object] = {"sidecar.grpc_server": "aio"}
 EMBEDDED: dict[str, dict[str, object]] = {
     "default": {},
     "aio": AIO,
