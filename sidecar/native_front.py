@@ -1,12 +1,16 @@
-"""The compiled gRPC front (`sidecar.native_grpc_port`): Embed and Search on a port of their own,
-served by gRPC's C++ library (sidecar/native/front.cc, built on first use) instead of grpc.aio.
+"""The compiled gRPC front: the sidecar's main gRPC port by default (`sidecar.grpc_server=compiled`,
+its Unix socket and TLS too), or a plaintext port of its own beside a grpc.aio one
+(`sidecar.native_grpc_port`), served by gRPC's C++ library (sidecar/native/front.cc, built on first
+use) instead of grpc.aio.
 
 A grpc.aio call wakes gRPC's poller thread, which wakes the event loop: two threads, each paying its
-cold caches on a shared host. The front's gRPC thread takes the call and, where an Embed needs no
-waiting (one text, a cache hit or the model idle while queries come sparsely: EmbedPipeline.run_now),
-answers it itself while the event loop sleeps (`sidecar.event_loop`): one thread woken per query.
-Anything else (a busy model, several texts, Search, a loop that is awake) goes to the event loop
-and the same servicer as the main port's, so replies, errors, metrics and limits are the same.
+cold caches on a shared host. The front's gRPC thread takes the call and, where an Embed (or a Stream
+message) needs no waiting (one text, a cache hit or the model idle while queries come sparsely:
+EmbedPipeline.run_now), answers it itself while the event loop sleeps (`sidecar.event_loop`): one
+thread woken per query. Anything else (a busy model, several texts, Search, a loop that is awake) goes
+to the event loop and the same servicer as grpc.aio's, so replies, errors, metrics and limits are the
+same. Health and reflection are relayed by the front to the grpc.aio server behind it (on a private
+Unix socket); on a port of its own the front fails them UNIMPLEMENTED.
 
 On the Triton backend the front's thread makes the Triton call itself, through the module's
 blocking client (`open_channel`), and lets go of the loop while it waits: the loop may run meanwhile,
@@ -14,10 +18,9 @@ and the thread takes the loop's lock again before it touches the pipeline's stat
 server's nor the client's grpc.aio side wakes for such a query (at most BLOCKING_CALLS wait at once;
 more go to the loop's client).
 
-Calls handed to the loop past `sidecar.transport_backlog` waiting for it are refused on the gRPC
-thread (RESOURCE_EXHAUSTED), as gRPC's C core refuses them on the main port. Plaintext and one TCP
-port: TLS, the Unix socket, Stream, health and reflection stay on the main port. Answers on the
-gRPC thread need the sidecar's loop to be a `SidecarLoop`; on any other loop every call goes to it.
+Unary calls handed to the loop past `sidecar.transport_backlog` waiting for it are refused on the gRPC
+thread (RESOURCE_EXHAUSTED), as gRPC's C core refuses them under grpc.aio. Answers on the gRPC thread
+need the sidecar's loop to be a `SidecarLoop`; on any other loop every call goes to it.
 """
 
 from __future__ import annotations

@@ -19,18 +19,18 @@ class SidecarSettings:
     )
     grpc_server: str = setting(
         "compiled", "What serves grpc_port (and uds_path): `compiled` = the compiled front (gRPC's C++ library, "
-        "built on first use; sidecar/native_front.py) answers Embed and Search, a one-text query that needs no "
-        "waiting on the gRPC thread that took it, and relays Stream, health and reflection to the grpc.aio "
+        "built on first use; sidecar/native_front.py) answers Embed, Search and Stream, a one-text query that "
+        "needs no waiting on the gRPC thread that took it, and relays health and reflection to the grpc.aio "
         "server on a private Unix socket; ~1 ms less CPU per query on a slow 2-vCPU host (docs/benchmarks.md). "
         "`aio` = grpc.aio alone. Where the front cannot be built (no g++ or libgrpc++) the sidecar says so "
         "and serves with grpc.aio.", choices=("compiled", "aio")
     )
     native_grpc_port: int = setting(
-        -1, "Also serve Embed and Search over gRPC on this port from the compiled front (gRPC's C++ library, "
+        -1, "Also serve Embed, Search and Stream over gRPC on this port from the compiled front (gRPC's C++ library, "
         "built on first use; sidecar/native_front.py): a query that needs no waiting is answered on the gRPC "
         "thread that took it (on the Triton backend that thread makes the Triton call itself), 0.1-0.5 ms less "
         "CPU per call than a grpc.aio main port (docs/benchmarks.md; grpc_server=compiled puts the front on "
-        "grpc_port itself). Plaintext TCP only; Stream, health and reflection stay on grpc_port. 0 = pick a "
+        "grpc_port itself). Plaintext TCP only; health and reflection stay on grpc_port. 0 = pick a "
         "free one, -1 = off."
     )
     http_port: int = setting(8080, "HTTP facade port (0 = pick a free one, -1 = off).")
