@@ -215,29 +215,35 @@ class NativeFront:
                 return
             state = stream.state = _Stream(time.monotonic() + timeout_s if math.isfinite(timeout_s) else None)
             stream.on_cancel(functools.partial(self._loop.call_soon_threadsafe, state.cancel))
-        gate = servicer.gate
-        refused = gate.enter() if gate is not None else None
-        if refused is not None:
-            stream.write(servicer.stream_refusal(raw, refused))
-            return
-        authenticated = False
+        entered: bool | None = None  # None: the gate not passed yet; else whether the key was checked
         lock = self._lock
         if lock is not None and lock.acquire(blocking=False):
             self._holding.held = True
-            try:
-                reply, authenticated = servicer.stream_now(raw, key, state.deadline)
+            try:  # the gate and the pipeline are the loop's: touched only while it sleeps
+                reply, entered = self._message_now(raw, key, state)
             finally:
                 self._holding.held = False
                 lock.release()
             if reply is not None:
-                if gate is not None:
-                    gate.leave()
                 stream.write(reply)
                 return
         try:
-            self._loop.call_soon_threadsafe(self._stream_later, raw, key, state, stream, authenticated)
+            self._loop.call_soon_threadsafe(self._stream_later, raw, key, state, stream, entered)
         except RuntimeError:  # the loop has closed: the sidecar is gone
             stream.fail(grpc.StatusCode.UNAVAILABLE.value[0], "the sidecar is shutting down")
+
+    def _message_now(self, raw: bytes, key: str | None, state: _Stream) -> tuple[bytes | None, bool | None]:
+        """A Stream message's reply here (a refusal, or an answer that needs no waiting), else None and
+        whether its key was checked (it has passed the gate)."""
+        servicer = self._servicer
+        gate = servicer.gate
+        refused = gate.enter() if gate is not None else None
+        if refused is not None:
+            return servicer.stream_refusal(raw, refused), None
+        reply, authenticated = servicer.stream_now(raw, key, state.deadline)
+        if reply is not None and gate is not None:
+            gate.leave()
+        return reply, authenticated
 
     def _taken(self) -> None:
         with self._waiting_lock:
@@ -259,13 +265,17 @@ class NativeFront:
         # tells them at once). On a gRPC thread: the loop is told, not touched.
         call.on_cancel(functools.partial(self._loop.call_soon_threadsafe, task.cancel, _CALLER_LEFT))
 
-    def _stream_later(self, raw: bytes, key: str | None, state: _Stream, stream: Any, authenticated: bool) -> None:
+    def _stream_later(self, raw: bytes, key: str | None, state: _Stream, stream: Any, entered: bool | None) -> None:
+        """On the loop: a Stream message's task (the gate passed first where the front's thread did not)."""
         gate = self._servicer.gate
+        if entered is None and gate is not None and (refused := gate.enter()) is not None:
+            stream.write(self._servicer.stream_refusal(raw, refused))
+            return
         if state.cancelled:
             if gate is not None:
                 gate.leave()
             return
-        task = self._loop.create_task(self._stream_answer(raw, key, state, stream, authenticated))
+        task = self._loop.create_task(self._stream_answer(raw, key, state, stream, bool(entered)))
         state.tasks.add(task)
         task.add_done_callback(state.tasks.discard)
         if gate is not None:  # a callback, not `finally`: a task cancelled before it ran counts too
