@@ -2,8 +2,8 @@
 
     async with Sidecar(settings) as sc:      # gRPC on sc.grpc_target (served by sc.grpc_server: the
         ...                                  # compiled front or grpc.aio), HTTP on sc.http_port, gRPC
-                                             # also on sc.uds_target if sidecar.uds_path is set, Embed
-                                             # and Search on sc.native_grpc_port if its setting is
+                                             # also on sc.uds_target if sidecar.uds_path is set, Embed,
+                                             # Search and Stream on sc.native_grpc_port if its setting is
 
 `SidecarThread` runs one on its own event loop in a background thread (tests, benchmarks).
 """
@@ -229,7 +229,7 @@ class Sidecar:
 
     async def _start_compiled(self, servicer: EmbedderServicer) -> None:
         """The compiled front on grpc_port (and uds_path); the grpc.aio server behind it on a private Unix
-        socket, for what the front relays (Stream, health, reflection) and what it hands to the loop."""
+        socket, for what the front relays (health, reflection)."""
         s = self.settings.sidecar
         self._relay_dir = Path(tempfile.mkdtemp(prefix="embedcar-grpc-"))  # 0700: the sidecar's alone
         relay = self._relay_dir / "aio.sock"

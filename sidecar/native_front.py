@@ -33,7 +33,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
 _CANCELLED = grpc.StatusCode.CANCELLED.value[0]
 _CALLER_LEFT = "the caller cancelled the call"
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+POLL_STRATEGY = "GRPC_POLL_STRATEGY"
 
 
 def unavailable_reason() -> str | None:
@@ -98,6 +99,28 @@ def open_channel(url: str, options: list[tuple[str, int | str]], credentials: Cl
     return call
 
 
+@contextlib.contextmanager
+def _library_env() -> Iterator[None]:
+    """The environment gRPC's C++ library reads when it starts (the first Front), apart from grpcio's
+    (started before it, and reading the same names): without the experiment names only grpcio knows (it
+    would log each as unknown), and with the `poll` poller unless one is set (POLL_STRATEGY): each
+    completion queue polls its own calls' sockets, so the thread waiting for a Triton reply reads it
+    itself instead of epoll1's one shared poller waking it (~10 → ~7 context switches per query,
+    docs/benchmarks.md)."""
+    saved = {name: os.environ.get(name) for name in (EXPERIMENTS, POLL_STRATEGY)}
+    if saved[EXPERIMENTS] == POLLING_IO:
+        del os.environ[EXPERIMENTS]
+    os.environ.setdefault(POLL_STRATEGY, "poll")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 class NativeFront:
     def __init__(self, servicer: EmbedderServicer, loop: asyncio.AbstractEventLoop, *, backlog: int = 0) -> None:
         """`backlog`: calls handed to the loop that may wait for it to take them; past it a call is
@@ -119,7 +142,7 @@ class NativeFront:
     def start(self, host: str, port: int, max_message_bytes: int, *, relay: str | None = None,
               unix: Path | None = None, tls: ServerTls | None = None) -> int:
         """Build (first time) and start the front; the bound port. Raises Unavailable where it cannot build.
-        `relay`: the gRPC target other methods than Embed and Search go to (the sidecar's grpc.aio server;
+        `relay`: the gRPC target methods other than Embed, Search and Stream go to (the sidecar's grpc.aio server;
         without it they fail UNIMPLEMENTED); `unix`: a prepared Unix socket path to listen on too (mode 0600
         until the caller restricts it); `tls`: serve TCP with it."""
         try:
@@ -128,19 +151,11 @@ class NativeFront:
             raise Unavailable(f"the compiled gRPC front cannot be built here: "
                               f"{exc.message}") from exc
         self._module = module
-        ours = os.environ.get(EXPERIMENTS) == POLLING_IO  # names only grpcio knows: the C++ library would
-        if ours:                                           # log each as unknown when it starts
-            del os.environ[EXPERIMENTS]
-        try:
-            pems = {"key_pem": tls.private_key, "cert_pem": tls.cert_chain,
-                    "client_ca_pem": tls.client_ca} if tls else {}
-            with owner_only_files() if unix is not None else contextlib.nullcontext():
-                self._front = module.Front(grpc_address(host, port), max_message_bytes, self._on_call,
-                                           served=(*METHODS, STREAM), streamed=STREAM, relay=relay,
-                                           unix=str(unix) if unix is not None else None, **pems)
-        finally:
-            if ours:
-                os.environ[EXPERIMENTS] = POLLING_IO
+        pems = {"key_pem": tls.private_key, "cert_pem": tls.cert_chain, "client_ca_pem": tls.client_ca} if tls else {}
+        with _library_env(), owner_only_files() if unix is not None else contextlib.nullcontext():
+            self._front = module.Front(grpc_address(host, port), max_message_bytes, self._on_call,
+                                       served=(*METHODS, STREAM), streamed=STREAM, relay=relay,
+                                       unix=str(unix) if unix is not None else None, **pems)
         self.port = int(self._front.port)
         return self.port
 
