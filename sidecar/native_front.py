@@ -181,25 +181,23 @@ class NativeFront:
                       "Stream only (health and reflection are on the main gRPC port)")
             return
         deadline = time.monotonic() + timeout_s if math.isfinite(timeout_s) else None
+        body: bytes | None = None
         authenticated = False
-        lock = self._lock
-        if rpc == "embed" and lock is not None and lock.acquire(blocking=False):
-            self._holding.held = True
-            try:  # the loop sleeps and cannot wake into the pipeline until this returns (or lets it)
-                body = self._servicer.embed_now(raw, key, deadline)
-            except EmbedcarError as exc:
-                self._fail(call, rpc, exc)
-                return
-            except Exception as exc:  # a bug: INTERNAL, and the front keeps serving
-                self._fail(call, rpc, Internal(f"unexpected error: {type(exc).__name__}"))
-                return
-            finally:
-                self._holding.held = False
-                lock.release()
+        if rpc == "embed":
+            with self._loop_asleep() as asleep:
+                if asleep:
+                    try:
+                        body = self._servicer.embed_now(raw, key, deadline)
+                    except EmbedcarError as exc:
+                        self._fail(call, rpc, exc)
+                        return
+                    except Exception as exc:  # a bug: INTERNAL, and the front keeps serving
+                        self._fail(call, rpc, Internal(f"unexpected error: {type(exc).__name__}"))
+                        return
+                    authenticated = True  # the key was checked and a rate-limit token taken: not again
             if body is not None:
                 call.reply(body)
                 return
-            authenticated = True  # the key was checked and a rate-limit token taken: not again
         with self._waiting_lock:
             waiting = self._waiting
             if not self._backlog or waiting < self._backlog:
@@ -230,22 +228,33 @@ class NativeFront:
                 return
             state = stream.state = _Stream(time.monotonic() + timeout_s if math.isfinite(timeout_s) else None)
             stream.on_cancel(functools.partial(self._loop.call_soon_threadsafe, state.cancel))
+        reply: bytes | None = None
         entered: bool | None = None  # None: the gate not passed yet; else whether the key was checked
-        lock = self._lock
-        if lock is not None and lock.acquire(blocking=False):
-            self._holding.held = True
-            try:  # the gate and the pipeline are the loop's: touched only while it sleeps
+        with self._loop_asleep() as asleep:
+            if asleep:  # the gate and the pipeline are the loop's: touched only while it sleeps
                 reply, entered = self._message_now(raw, key, state)
-            finally:
-                self._holding.held = False
-                lock.release()
-            if reply is not None:
-                stream.write(reply)
-                return
+        if reply is not None:
+            stream.write(reply)
+            return
         try:
             self._loop.call_soon_threadsafe(self._stream_later, raw, key, state, stream, entered)
         except RuntimeError:  # the loop has closed: the sidecar is gone
             stream.fail(grpc.StatusCode.UNAVAILABLE.value[0], "the sidecar is shutting down")
+
+    @contextlib.contextmanager
+    def _loop_asleep(self) -> Iterator[bool]:
+        """Whether the loop sleeps, kept asleep meanwhile (its idle lock held, let go only while a blocking
+        backend call waits: open_channel): then the pipeline's state is this thread's to touch."""
+        lock = self._lock
+        if lock is None or not lock.acquire(blocking=False):
+            yield False
+            return
+        self._holding.held = True
+        try:
+            yield True
+        finally:
+            self._holding.held = False
+            lock.release()
 
     def _message_now(self, raw: bytes, key: str | None, state: _Stream) -> tuple[bytes | None, bool | None]:
         """A Stream message's reply here (a refusal, or an answer that needs no waiting), else None and

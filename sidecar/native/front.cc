@@ -71,6 +71,66 @@ PyTypeObject type_of(const char* name, Py_ssize_t size, const char* doc, PyMetho
   return t;
 }
 
+// Takes the GIL on a gRPC thread, keeping the thread's Python thread state between calls (one Ensure
+// never released): without it every call creates and destroys one (its frame stack mapped and unmapped,
+// thread-locals lost).
+PyGILState_STATE enter_python() {
+  PyGILState_STATE gil = PyGILState_Ensure();
+  static thread_local bool pinned = false;
+  if (!pinned) {
+    (void)PyGILState_Ensure();
+    pinned = true;
+  }
+  return gil;
+}
+
+void call_now(PyObject* fn) {
+  PyObject* result = PyObject_CallNoArgs(fn);
+  if (result == nullptr) PyErr_WriteUnraisable(fn);
+  Py_XDECREF(result);
+  Py_DECREF(fn);
+}
+
+// Python's callback for a caller's cancel: set before or after the cancel comes, called once (with
+// the GIL, on a gRPC thread or at once).
+class CancelHook {
+ public:
+  // With the GIL: false (a TypeError set) unless `fn` is callable.
+  bool Set(PyObject* fn) {
+    if (!PyCallable_Check(fn)) {
+      PyErr_SetString(PyExc_TypeError, "on_cancel takes a callable");
+      return false;
+    }
+    Py_INCREF(fn);
+    if (fired_) {
+      call_now(fn);
+    } else {
+      Py_XSETREF(fn_, fn);
+    }
+    return true;
+  }
+  // The caller has cancelled: on a gRPC thread, without the GIL.
+  void Fire() {
+    PyGILState_STATE gil = enter_python();
+    fired_ = true;
+    PyObject* fn = fn_;
+    fn_ = nullptr;
+    if (fn != nullptr) call_now(fn);
+    PyGILState_Release(gil);
+  }
+  // The call is done (set before it was answered, so no other thread touches it now).
+  void Clear() {
+    if (fn_ == nullptr) return;
+    PyGILState_STATE gil = enter_python();
+    Py_CLEAR(fn_);
+    PyGILState_Release(gil);
+  }
+
+ private:
+  PyObject* fn_ = nullptr;  // guarded by the GIL
+  bool fired_ = false;      // guarded by the GIL
+};
+
 class Reactor;
 
 std::string joined(const grpc::ByteBuffer& buffer) {
@@ -106,64 +166,19 @@ class Reactor : public grpc::ServerGenericBidiReactor {
     Finish(grpc::Status(static_cast<grpc::StatusCode>(code), std::move(message)));
   }
 
-  void OnCancel() override;
+  void OnCancel() override { on_cancel.Fire(); }
   void OnDone() override;
 
-  // With the GIL: `fn` is called (with the GIL, on a gRPC thread) when the caller cancels, at once if it has.
-  void CallOnCancel(PyObject* fn);
+  CancelHook on_cancel;
 
  private:
   grpc::GenericCallbackServerContext* ctx_;
   PyObject* handler_;
   grpc::ByteBuffer request_, reply_;
-  PyObject* on_cancel_ = nullptr;  // guarded by the GIL
-  bool cancelled_ = false;         // guarded by the GIL
 };
 
-// Takes the GIL on a gRPC thread, keeping the thread's Python thread state between calls (one Ensure
-// never released): without it every call creates and destroys one (its frame stack mapped and unmapped,
-// thread-locals lost).
-PyGILState_STATE enter_python() {
-  PyGILState_STATE gil = PyGILState_Ensure();
-  static thread_local bool pinned = false;
-  if (!pinned) {
-    (void)PyGILState_Ensure();
-    pinned = true;
-  }
-  return gil;
-}
-
-void call_now(PyObject* fn) {
-  PyObject* result = PyObject_CallNoArgs(fn);
-  if (result == nullptr) PyErr_WriteUnraisable(fn);
-  Py_XDECREF(result);
-  Py_DECREF(fn);
-}
-
-void Reactor::CallOnCancel(PyObject* fn) {
-  Py_INCREF(fn);
-  if (cancelled_) {
-    call_now(fn);
-    return;
-  }
-  Py_XSETREF(on_cancel_, fn);
-}
-
-void Reactor::OnCancel() {
-  PyGILState_STATE gil = enter_python();
-  cancelled_ = true;
-  PyObject* fn = on_cancel_;
-  on_cancel_ = nullptr;
-  if (fn != nullptr) call_now(fn);
-  PyGILState_Release(gil);
-}
-
 void Reactor::OnDone() {
-  if (on_cancel_ != nullptr) {  // set before the call was answered, so no other thread touches it now
-    PyGILState_STATE gil = enter_python();
-    Py_CLEAR(on_cancel_);
-    PyGILState_Release(gil);
-  }
+  on_cancel.Clear();
   delete this;
 }
 
@@ -215,11 +230,7 @@ PyObject* call_on_cancel(PyObject* obj, PyObject* fn) {
     PyErr_SetString(PyExc_RuntimeError, "this call was already answered");
     return nullptr;
   }
-  if (!PyCallable_Check(fn)) {
-    PyErr_SetString(PyExc_TypeError, "on_cancel takes a callable");
-    return nullptr;
-  }
-  reactor->CallOnCancel(fn);
+  if (!reactor->on_cancel.Set(fn)) return nullptr;
   Py_RETURN_NONE;
 }
 
@@ -358,8 +369,7 @@ class Streamer : public grpc::ServerGenericBidiReactor {
     MaybeFinish();
   }
 
-  PyObject* on_cancel_ = nullptr;  // guarded by the GIL
-  bool cancelled_ = false;         // guarded by the GIL
+  CancelHook on_cancel;
 
  private:
   void MaybeFinish() {
@@ -423,19 +433,14 @@ void Streamer::OnCancel() {
     std::lock_guard<std::mutex> lock(mu_);
     caller_gone_ = true;
   }
-  PyGILState_STATE gil = enter_python();
-  cancelled_ = true;
-  PyObject* fn = on_cancel_;
-  on_cancel_ = nullptr;
-  if (fn != nullptr) call_now(fn);
-  PyGILState_Release(gil);
+  on_cancel.Fire();
   MaybeFinish();
 }
 
 void Streamer::OnDone() {
+  on_cancel.Clear();
   PyGILState_STATE gil = enter_python();
   call_->streamer = nullptr;  // Python may keep the object: its writes go nowhere now
-  Py_CLEAR(on_cancel_);
   Py_DECREF(reinterpret_cast<PyObject*>(call_));
   PyGILState_Release(gil);
   delete this;
@@ -471,17 +476,7 @@ PyObject* stream_fail(PyObject* obj, PyObject* args) {
 
 PyObject* stream_on_cancel(PyObject* obj, PyObject* fn) {
   Streamer* streamer = live(obj);
-  if (streamer == nullptr) return nullptr;
-  if (!PyCallable_Check(fn)) {
-    PyErr_SetString(PyExc_TypeError, "on_cancel takes a callable");
-    return nullptr;
-  }
-  Py_INCREF(fn);
-  if (streamer->cancelled_) {
-    call_now(fn);
-  } else {
-    Py_XSETREF(streamer->on_cancel_, fn);
-  }
+  if (streamer == nullptr || !streamer->on_cancel.Set(fn)) return nullptr;
   Py_RETURN_NONE;
 }
 
