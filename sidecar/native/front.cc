@@ -38,6 +38,7 @@
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+#include <absl/synchronization/mutex.h>
 
 #include <algorithm>
 #include <chrono>
@@ -168,6 +169,9 @@ class Reactor : public grpc::ServerGenericBidiReactor {
 
   void OnCancel() override { on_cancel.Fire(); }
   void OnDone() override;
+  // OnDone (free the call, drop a cancel hook) runs on the gRPC thread that finished the call instead
+  // of being handed to gRPC's executor thread: one thread woken less per call.
+  bool InternalInlineable() override { return true; }
 
   CancelHook on_cancel;
 
@@ -917,6 +921,9 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "embedcar_front", "The sidecar's c
 }  // namespace
 
 PyMODINIT_FUNC PyInit_embedcar_front() {
+  // Debian builds Abseil without NDEBUG, so every absl::Mutex gRPC takes also tracks lock order for
+  // deadlock reports (a global graph): a debugging aid release builds leave off.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   const std::pair<const char*, PyTypeObject*> types[] = {
       {"Front", &kFrontType}, {"Call", &kCallType}, {"StreamCall", &kStreamType}, {"Channel", &kChannelType}};
   for (const auto& [name, type] : types)
