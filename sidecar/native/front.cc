@@ -132,7 +132,7 @@ class CancelHook {
   bool fired_ = false;      // guarded by the GIL
 };
 
-class Reactor;
+class Unary;
 
 std::string joined(const grpc::ByteBuffer& buffer) {
   std::vector<grpc::Slice> slices;
@@ -144,22 +144,20 @@ std::string joined(const grpc::ByteBuffer& buffer) {
 
 // The Python side of one call: ends it once (reply or fail); a Call dropped unanswered fails it.
 struct CallObject {
-  PyObject_HEAD Reactor* reactor;  // null once answered
+  PyObject_HEAD Unary* reactor;  // null once answered
 };
 
-class Reactor : public grpc::ServerGenericBidiReactor {
+// One unary call (Embed, Search): gRPC's unary callback API hands it over with its request already read,
+// and takes the reply in the buffer it owns.
+class Unary : public grpc::ServerUnaryReactor {
  public:
-  Reactor(grpc::GenericCallbackServerContext* ctx, PyObject* handler) : ctx_(ctx), handler_(handler) {
-    StartRead(&request_);
-  }
-
-  void OnReadDone(bool ok) override;
+  Unary(grpc::CallbackServerContext* ctx, grpc::ByteBuffer* response) : ctx_(ctx), response_(response) {}
 
   // Called without the GIL.
   void Reply(std::string body) {
     grpc::Slice slice(body);
-    reply_ = grpc::ByteBuffer(&slice, 1);
-    StartWriteAndFinish(&reply_, grpc::WriteOptions(), grpc::Status::OK);
+    *response_ = grpc::ByteBuffer(&slice, 1);
+    Finish(grpc::Status::OK);
   }
 
   void Fail(int code, std::string message, const std::string& retry_after) {
@@ -168,27 +166,24 @@ class Reactor : public grpc::ServerGenericBidiReactor {
   }
 
   void OnCancel() override { on_cancel.Fire(); }
-  void OnDone() override;
-  // OnDone (free the call, drop a cancel hook) runs on the gRPC thread that finished the call instead
-  // of being handed to gRPC's executor thread: one thread woken less per call.
+  void OnDone() override {
+    on_cancel.Clear();
+    delete this;
+  }
+  // OnCancel and OnDone run on the gRPC thread that learns of them instead of being handed to gRPC's
+  // executor thread (one thread woken less per call): they take the GIL only for a hook Python set.
   bool InternalInlineable() override { return true; }
 
   CancelHook on_cancel;
 
  private:
-  grpc::GenericCallbackServerContext* ctx_;
-  PyObject* handler_;
-  grpc::ByteBuffer request_, reply_;
+  grpc::CallbackServerContext* ctx_;
+  grpc::ByteBuffer* response_;
 };
 
-void Reactor::OnDone() {
-  on_cancel.Clear();
-  delete this;
-}
-
 // The call's reactor, taken once: null (and a RuntimeError set) if it was already answered.
-Reactor* take(CallObject* self) {
-  Reactor* reactor = self->reactor;
+Unary* take(CallObject* self) {
+  Unary* reactor = self->reactor;
   self->reactor = nullptr;
   if (reactor == nullptr) PyErr_SetString(PyExc_RuntimeError, "this call was already answered");
   return reactor;
@@ -196,7 +191,7 @@ Reactor* take(CallObject* self) {
 
 // Ends a call Python left unanswered (a bug on the Python side): never leave the caller hanging.
 void fail_unanswered(CallObject* self, const char* message) {
-  Reactor* reactor = self->reactor;
+  Unary* reactor = self->reactor;
   self->reactor = nullptr;
   if (reactor != nullptr) reactor->Fail(static_cast<int>(grpc::StatusCode::INTERNAL), message, "");
 }
@@ -205,7 +200,7 @@ PyObject* call_reply(PyObject* obj, PyObject* args) {
   const char* data = nullptr;
   Py_ssize_t size = 0;
   if (!PyArg_ParseTuple(args, "y#", &data, &size)) return nullptr;
-  Reactor* reactor = take(reinterpret_cast<CallObject*>(obj));
+  Unary* reactor = take(reinterpret_cast<CallObject*>(obj));
   if (reactor == nullptr) return nullptr;
   std::string body(data, static_cast<size_t>(size));
   Py_BEGIN_ALLOW_THREADS reactor->Reply(std::move(body));
@@ -221,7 +216,7 @@ PyObject* call_fail(PyObject* obj, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "a failure's code is a gRPC status number 1-16");
     return nullptr;
   }
-  Reactor* reactor = take(reinterpret_cast<CallObject*>(obj));
+  Unary* reactor = take(reinterpret_cast<CallObject*>(obj));
   if (reactor == nullptr) return nullptr;
   std::string msg(message), retry(retry_after ? retry_after : "");
   Py_BEGIN_ALLOW_THREADS reactor->Fail(code, std::move(msg), retry);
@@ -229,7 +224,7 @@ PyObject* call_fail(PyObject* obj, PyObject* args) {
 }
 
 PyObject* call_on_cancel(PyObject* obj, PyObject* fn) {
-  Reactor* reactor = reinterpret_cast<CallObject*>(obj)->reactor;
+  Unary* reactor = reinterpret_cast<CallObject*>(obj)->reactor;
   if (reactor == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "this call was already answered");
     return nullptr;
@@ -256,8 +251,8 @@ PyTypeObject kCallType = type_of("embedcar_front.Call", sizeof(CallObject),
 
 // With the GIL: handler(method, body, api_key, timeout_s, call); false if it raised (a bug, reported
 // without a traceback kept).
-bool hand_to_python(PyObject* handler, grpc::GenericCallbackServerContext* ctx, const std::string& body,
-                    PyObject* call) {
+bool hand_to_python(PyObject* handler, grpc::CallbackServerContext* ctx, const std::string& method,
+                    const std::string& body, PyObject* call) {
   PyObject* py_key = nullptr;
   for (const auto& [k, v] : ctx->client_metadata()) {
     if (k == kApiKey) {
@@ -274,7 +269,6 @@ bool hand_to_python(PyObject* handler, grpc::GenericCallbackServerContext* ctx, 
   if (deadline != std::chrono::system_clock::time_point::max()) {
     timeout_s = std::chrono::duration<double>(deadline - std::chrono::system_clock::now()).count();
   }
-  const std::string& method = ctx->method();
   PyObject* result = PyObject_CallFunction(handler, "s#y#OdO", method.data(), static_cast<Py_ssize_t>(method.size()),
                                            body.data(), static_cast<Py_ssize_t>(body.size()), py_key, timeout_s, call);
   Py_DECREF(py_key);
@@ -286,25 +280,25 @@ bool hand_to_python(PyObject* handler, grpc::GenericCallbackServerContext* ctx, 
   return true;
 }
 
-void Reactor::OnReadDone(bool ok) {
-  if (!ok) {
-    Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the call carried no request message"));
-    return;
-  }
-  std::string body = joined(request_);
+// A unary call, handed to Python on the gRPC thread that took it.
+grpc::ServerUnaryReactor* take_unary(PyObject* handler, const std::string& method, grpc::CallbackServerContext* ctx,
+                                     const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+  auto* reactor = new Unary(ctx, response);
+  std::string body = joined(*request);
   PyGILState_STATE gil = enter_python();
   auto* call = PyObject_New(CallObject, &kCallType);
   if (call == nullptr) {
     PyErr_Clear();
     PyGILState_Release(gil);
-    Fail(static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED), "out of memory", "");
-    return;
+    reactor->Fail(static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED), "out of memory", "");
+    return reactor;
   }
-  call->reactor = this;
-  if (!hand_to_python(handler_, ctx_, body, reinterpret_cast<PyObject*>(call)))
+  call->reactor = reactor;
+  if (!hand_to_python(handler, ctx, method, body, reinterpret_cast<PyObject*>(call)))
     fail_unanswered(call, "the sidecar failed to take this call");
   Py_DECREF(reinterpret_cast<PyObject*>(call));  // unanswered and unreferenced: dealloc fails it
   PyGILState_Release(gil);
+  return reactor;  // answered or not yet: gRPC keeps a Finish made before it has the reactor
 }
 
 // A Stream call served by the front: each message goes to the handler (with the same StreamCall object
@@ -416,7 +410,7 @@ void Streamer::OnReadDone(bool ok) {
     ++owed_;
   }
   PyGILState_STATE gil = enter_python();
-  if (!hand_to_python(handler_, ctx_, body, reinterpret_cast<PyObject*>(call_)))
+  if (!hand_to_python(handler_, ctx_, ctx_->method(), body, reinterpret_cast<PyObject*>(call_)))
     End(grpc::Status(grpc::StatusCode::INTERNAL, "the sidecar failed to take a message of this stream"));
   PyGILState_Release(gil);
   bool more = false;
@@ -620,23 +614,42 @@ class Relay : public grpc::ServerGenericBidiReactor {
   bool upstream_done_ = false;
 };
 
+// The unary methods the front serves itself, each through gRPC's unary callback API (raw bytes both ways).
+class Unaries : public grpc::Service {
+ public:
+  Unaries(PyObject* handler, const std::vector<std::string>& methods) : names_(methods.begin(), methods.end()) {
+    int index = 0;
+    for (const std::string& name : names_) {  // a deque: each name stays where the method points to it
+      AddMethod(new grpc::internal::RpcServiceMethod(name.c_str(), grpc::internal::RpcMethod::NORMAL_RPC, nullptr));
+      MarkMethodRawCallback(index++, new grpc::internal::CallbackUnaryHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
+                                         [handler, &name](grpc::CallbackServerContext* ctx,
+                                                          const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+                                           return take_unary(handler, name, ctx, request, response);
+                                         }));
+    }
+  }
+
+ private:
+  std::deque<std::string> names_;
+};
+
+// Every other method: the stream, or relayed where `relay` is given, else UNIMPLEMENTED.
 class Service : public grpc::CallbackGenericService {
  public:
-  Service(PyObject* handler, std::vector<std::string> served, std::string streamed,
-          std::shared_ptr<grpc::Channel> relay)
-      : handler_(handler), served_(std::move(served)), streamed_(std::move(streamed)), relay_(std::move(relay)) {
+  Service(PyObject* handler, std::string streamed, std::shared_ptr<grpc::Channel> relay)
+      : handler_(handler), streamed_(std::move(streamed)), relay_(std::move(relay)) {
     if (relay_) stub_ = std::make_unique<grpc::GenericStub>(relay_);
   }
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
     if (!streamed_.empty() && ctx->method() == streamed_) return new_streamer(ctx, handler_);
-    if (stub_ && std::find(served_.begin(), served_.end(), ctx->method()) == served_.end())
-      return new Relay(ctx, stub_.get());
-    return new Reactor(ctx, handler_);
+    if (stub_) return new Relay(ctx, stub_.get());
+    return new Refused(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                                    ctx->method() + " is not served on this port (health and reflection are on the "
+                                                    "sidecar's main gRPC port)"));
   }
 
  private:
   PyObject* handler_;
-  std::vector<std::string> served_;
   std::string streamed_;
   std::shared_ptr<grpc::Channel> relay_;
   std::unique_ptr<grpc::GenericStub> stub_;
@@ -664,6 +677,7 @@ bool optional_text(PyObject* value, const char* what, std::string* out, bool* gi
 
 struct FrontObject {
   PyObject_HEAD PyObject* handler;
+  Unaries* unaries;
   Service* service;
   grpc::Server* server;
   int port;
@@ -733,7 +747,9 @@ int front_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
   }
   Py_INCREF(handler);
   self->handler = handler;
-  self->service = new Service(handler, std::move(methods), std::move(stream_method), std::move(upstream));
+  methods.erase(std::remove(methods.begin(), methods.end(), stream_method), methods.end());
+  self->unaries = new Unaries(handler, methods);
+  self->service = new Service(handler, std::move(stream_method), std::move(upstream));
   std::string where(address);
   int port = 0;
   std::unique_ptr<grpc::Server> server;
@@ -742,6 +758,7 @@ int front_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
   if (has_unix) builder.AddListeningPort("unix:" + unix_path, grpc::InsecureServerCredentials());
   builder.SetMaxReceiveMessageSize(max_message);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  if (!methods.empty()) builder.RegisterService(self->unaries);
   builder.RegisterCallbackGenericService(self->service);
   server = builder.BuildAndStart();
   Py_END_ALLOW_THREADS if (!server || port == 0) {
@@ -778,6 +795,7 @@ void front_dealloc(PyObject* obj) {
     self->server->Wait();
     Py_END_ALLOW_THREADS delete self->server;
     delete self->service;
+    delete self->unaries;
   }
   Py_XDECREF(self->handler);
   Py_TYPE(obj)->tp_free(obj);
