@@ -47,6 +47,7 @@ _MAX_MSG = 256 * 1024 * 1024
 # The ensemble's id inputs: Triton's datatype names <-> numpy (CPU repositories take int32).
 ID_TYPES = {"INT32": np.int32, "INT64": np.int64}
 WIRE_TYPES = {np.int32: "INT32", np.int64: "INT64"}
+_LITTLE_ENDIAN = {t: np.dtype(t).newbyteorder("<") for t in WIRE_TYPES}
 OUTPUT = "embedding"
 # The caller's deadline, wall clock (ns since the epoch), as a request parameter: the CPU encoder
 # answers EXPIRED instead of computing a request that waited past it (inference/triton/models/encoder;
@@ -140,6 +141,7 @@ class _Endpoint:
     url: str
     channel: Any  # grpc.aio.Channel
     stub: Any  # tritonclient's GRPCInferenceServiceStub on that channel
+    infer: Any  # ModelInfer on that channel taking the request's bytes (_request)
     up: bool = False
     down_since: float = 0.0
     answered: float = float("-inf")  # when a request last succeeded here (time.monotonic)
@@ -175,6 +177,7 @@ class TritonBackend(Backend):
         self._rr = itertools.count()
         self._probe_task: asyncio.Task[None] | None = None
         self._input_types: dict[str, Any] = {}
+        self._prefixes: dict[tuple[int, int], bytes] = {}  # a request's fields that depend on its shape only
         self._started = False
         self._open_blocking: OpenChannel | None = None
 
@@ -205,7 +208,11 @@ class TritonBackend(Backend):
             channel = grpc.aio.insecure_channel(url, options=options)
         else:  # never a plaintext retry: a TLS channel fails or speaks TLS
             channel = grpc.aio.secure_channel(url, self.credentials.channel_credentials(), options=options)
-        return _Endpoint(url, channel, service_pb2_grpc.GRPCInferenceServiceStub(channel))
+        from tritonclient.grpc import service_pb2 as pb
+
+        infer = channel.unary_unary(MODEL_INFER, request_serializer=None,
+                                    response_deserializer=pb.ModelInferResponse.FromString)
+        return _Endpoint(url, channel, service_pb2_grpc.GRPCInferenceServiceStub(channel), infer)
 
     def use_blocking_channels(self, open_channel: OpenChannel | None) -> None:
         """Let `embed_blocking` call each URL through a channel `open_channel` opens (None: no more)."""
@@ -238,6 +245,7 @@ class TritonBackend(Backend):
             raise map_error(exc, live[0].url) from exc
         await self._check_variant(live[0])
         self._input_types = {i.name: ID_TYPES.get(i.datatype, np.int64) for i in meta.inputs}
+        self._prefixes = {}
         out = {o.name: o for o in meta.outputs}
         if OUTPUT not in out or int(out[OUTPUT].shape[-1]) != self.dim:
             raise Internal(f"Triton model {self.model_name} does not output a {self.dim}-d `{OUTPUT}`")
@@ -368,21 +376,29 @@ class TritonBackend(Backend):
         self._endpoints = []
 
     # --- inference -------------------------------------------------------------------------
-    def _request(self, batch: TokenBatch, timeout_s: float) -> Any:
+    def _request(self, batch: TokenBatch, timeout_s: float) -> bytes:
+        """The serialised ModelInferRequest: the fields a shape decides (model, inputs, output) made once
+        per shape, then this call's (its ids, its deadline) appended: protobuf merges concatenated
+        messages, and a call builds a third of the message (about half the CPU)."""
         from tritonclient.grpc import service_pb2 as pb
 
-        req = pb.ModelInferRequest(model_name=self.model_name)
-        for name, datatype, arr in wire_inputs(batch, self._input_types, self.model_name):
-            req.inputs.add(name=name, datatype=datatype, shape=arr.shape)
-            req.raw_input_contents.append(arr.tobytes())  # one serialisation into the raw contents
-        req.outputs.add(name=OUTPUT)
+        inputs = wire_inputs(batch, self._input_types, self.model_name)
+        prefix = self._prefixes.get(batch.shape)
+        if prefix is None:
+            head = pb.ModelInferRequest(model_name=self.model_name)
+            for name, datatype, arr in inputs:
+                head.inputs.add(name=name, datatype=datatype, shape=arr.shape)
+            head.outputs.add(name=OUTPUT)
+            prefix = self._prefixes[batch.shape] = bytes(head.SerializeToString())
+        # One serialisation of each array into the raw contents, in the inputs' order.
+        req = pb.ModelInferRequest(raw_input_contents=[arr.tobytes() for _name, _type, arr in inputs])
         # A request that waited past these is not computed: Triton's own timeout (µs) where a model
         # has a queue policy (the GPU encoder), the wall-clock deadline where the model checks it.
         req.parameters["timeout"].int64_param = int(timeout_s * 1_000_000)
         req.parameters[DEADLINE_PARAM].int64_param = time.time_ns() + int(timeout_s * 1e9)
         if batch.pool_skip:
             req.parameters[POOL_SKIP_PARAM].int64_param = batch.pool_skip
-        return req
+        return prefix + bytes(req.SerializeToString())
 
     @staticmethod
     def _embedding(reply: Any) -> Embeddings | None:
@@ -398,7 +414,7 @@ class TritonBackend(Backend):
         rotated = self._endpoints[start:] + self._endpoints[:start]
         return [ep for ep in rotated if ep.up] + [ep for ep in rotated if not ep.up]
 
-    def _checked(self, batch: TokenBatch, timeout_s: float | None) -> tuple[Any, float]:
+    def _checked(self, batch: TokenBatch, timeout_s: float | None) -> tuple[bytes, float]:
         """The request for `batch` and its timeout; InvalidInput for a batch Triton must not see."""
         if not self._started:
             raise Unavailable("Triton backend not started")
@@ -426,7 +442,7 @@ class TritonBackend(Backend):
         failed: list[tuple[EmbedcarError, Exception]] = []
         for ep in self._order():
             try:
-                reply = await ep.stub.ModelInfer(request, timeout=timeout, metadata=self._md)
+                reply = await ep.infer(request, timeout=timeout, metadata=self._md)
             except Exception as exc:
                 err = map_error(exc, ep.url)
                 if isinstance(err, VersionNotServed):
@@ -452,8 +468,7 @@ class TritonBackend(Backend):
         open_channel = self._open_blocking
         if open_channel is None:
             raise Unavailable("the Triton backend was given no blocking channels")
-        request, timeout = self._checked(batch, timeout_s)
-        raw = request.SerializeToString()
+        raw, timeout = self._checked(batch, timeout_s)
         md = self._md or ()
         failed: list[tuple[EmbedcarError, Exception]] = []
         for ep in self._order():
@@ -505,7 +520,7 @@ def wire_inputs(batch: TokenBatch, input_types: dict[str, Any], model: str) -> l
     for name, dtype in input_types.items():
         if name not in arrays:
             raise InvalidInput(f"Triton model {model} needs input {name!r}")
-        arr = np.ascontiguousarray(arrays[name], dtype=np.dtype(dtype).newbyteorder("<"))
+        arr = np.ascontiguousarray(arrays[name], dtype=_LITTLE_ENDIAN[dtype])
         out.append((name, WIRE_TYPES[dtype], arr))
     return out
 
