@@ -56,7 +56,6 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "native" / "front.cc"
 METHODS = {f"/{SERVICE}/Embed": "embed", f"/{SERVICE}/Search": "search"}
 STREAM = f"/{SERVICE}/Stream"
-_UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
 _CANCELLED = grpc.StatusCode.CANCELLED.value[0]
 _CALLER_LEFT = "the caller cancelled the call"
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
@@ -175,11 +174,7 @@ class NativeFront:
         if method == STREAM:
             self._on_message(raw, key, timeout_s, call)
             return
-        rpc = METHODS.get(method)
-        if rpc is None:
-            call.fail(_UNIMPLEMENTED, f"{method} is not served on sidecar.native_grpc_port: Embed, Search and "
-                      "Stream only (health and reflection are on the main gRPC port)")
-            return
+        rpc = METHODS[method]  # the front hands over only the methods `start` names (others: relay or UNIMPLEMENTED)
         deadline = time.monotonic() + timeout_s if math.isfinite(timeout_s) else None
         body: bytes | None = None
         authenticated = False

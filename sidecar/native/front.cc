@@ -18,9 +18,10 @@
 //   call.reply(body: bytes); call.fail(code: int, message: str, retry_after: str | None = None)
 //   call.on_cancel(fn)  # fn() when the caller cancels the call (a Python task answering it can stop)
 //
+// The `served` unary methods come through gRPC's unary callback API (the request read with the call).
 // Methods other than `served` go to the server at `relay` when it is given (the sidecar's grpc.aio
-// server on a private Unix socket: Stream, health, reflection), message by message both ways with the
-// caller's metadata and deadline and the server's status and trailers; without `relay`, to the handler.
+// server on a private Unix socket: health, reflection), message by message both ways with the
+// caller's metadata and deadline and the server's status and trailers; without `relay`, UNIMPLEMENTED.
 // `unix`: also listen on this Unix socket (plaintext); `key_pem`/`cert_pem`: TCP serves TLS, and with
 // `client_ca_pem` only to clients presenting a certificate that CA signed.
 //
