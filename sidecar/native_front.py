@@ -170,10 +170,11 @@ class NativeFront:
             await asyncio.to_thread(front.stop, grace_s)
 
     # --- on the front's gRPC thread, with the GIL ---------------------------------------------------
-    def _on_call(self, method: str, raw: bytes, key: str | None, timeout_s: float, call: Any) -> None:
+    def _on_call(self, method: str, raw: bytes | None, key: str | None, timeout_s: float, call: Any) -> None:
         if method == STREAM:
             self._on_message(raw, key, timeout_s, call)
             return
+        assert raw is not None  # None only opens a Stream
         rpc = METHODS[method]  # the front hands over only the methods `start` names (others: relay or UNIMPLEMENTED)
         deadline = time.monotonic() + timeout_s if math.isfinite(timeout_s) else None
         body: bytes | None = None
@@ -208,21 +209,22 @@ class NativeFront:
             self._taken()
             self._fail(call, rpc, Unavailable("the sidecar is shutting down"))
 
-    def _on_message(self, raw: bytes, key: str | None, timeout_s: float, stream: Any) -> None:
-        """One Stream message, as EmbedderServicer.stream takes it: the key checked once per stream, each
-        message refused by the gate or answered (here where it needs no waiting, else by a task on the
-        loop), an error as its reply."""
+    def _on_message(self, raw: bytes | None, key: str | None, timeout_s: float, stream: Any) -> None:
+        """A Stream's opening (`raw` None: its key checked, as EmbedderServicer.stream does before reading)
+        or one of its messages: refused by the gate or answered (here where it needs no waiting, else by a
+        task on the loop), an error as its reply."""
         servicer = self._servicer
-        state: _Stream | None = stream.state
-        if state is None:  # the stream's first message
+        if raw is None:
             try:
                 servicer.service.keys.tenant_for(key)
             except EmbedcarError as exc:
                 servicer.count_error("stream", exc)
                 stream.fail(grpc_code(exc).value[0], exc.message)
                 return
-            state = stream.state = _Stream(time.monotonic() + timeout_s if math.isfinite(timeout_s) else None)
-            stream.on_cancel(functools.partial(self._loop.call_soon_threadsafe, state.cancel))
+            opened = stream.state = _Stream(time.monotonic() + timeout_s if math.isfinite(timeout_s) else None)
+            stream.on_cancel(functools.partial(self._loop.call_soon_threadsafe, opened.cancel))
+            return
+        state: _Stream = stream.state
         reply: bytes | None = None
         entered: bool | None = None  # None: the gate not passed yet; else whether the key was checked
         with self._loop_asleep() as asleep:

@@ -9,6 +9,7 @@ it cannot build).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 
@@ -92,6 +93,22 @@ def test_keys_and_deadlines_hold_on_the_stream_and_through_the_relay(settings: S
             list(health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=1.0))
         assert watched.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         stream = ch.stream_stream(STREAM)
+        # A stream without the key is refused as it opens, before it sends anything (as grpc.aio does).
+        hold = threading.Event()
+
+        def silent() -> Iterator[bytes]:
+            hold.wait(10)
+            yield from ()
+
+        opened = time.monotonic()
+        try:
+            with pytest.raises(grpc.RpcError) as at_open:
+                list(stream(silent(), timeout=10))
+        finally:
+            hold.set()
+        assert at_open.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert time.monotonic() - opened < 5  # not at its deadline
+        assert list(stream(iter([]), timeout=10, metadata=(("x-api-key", key),))) == []
         with pytest.raises(grpc.RpcError) as no_key:
             list(stream(iter([stream_request(1, "oat milk")]), timeout=10))
         assert no_key.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -11,10 +11,11 @@
 //                                unix=None, key_pem=None, cert_pem=None, client_ca_pem=None)
 //   handler(method, request, api_key, timeout_s, call); front.port; front.stop(grace_s)
 //
-// The `streamed` method (a bidirectional stream) goes to the handler message by message, each with the
-// same StreamCall for the stream: stream.write(reply) once per message (in any order), stream.fail(code,
-// message) ends it at once, stream.on_cancel(fn), stream.state (Python's). It ends OK once the caller
-// has half-closed and every message has its reply.
+// The `streamed` method (a bidirectional stream) goes to the handler once as it opens (request None: it
+// may refuse it) and then message by message, each time with the same StreamCall for the stream:
+// stream.write(reply) once per message (in any order), stream.fail(code, message) ends it at once,
+// stream.on_cancel(fn), stream.state (Python's). It ends OK once the caller has half-closed and every
+// message has its reply.
 //   call.reply(body: bytes); call.fail(code: int, message: str, retry_after: str | None = None)
 //   call.on_cancel(fn)  # fn() when the caller cancels the call (a Python task answering it can stop)
 //
@@ -250,10 +251,10 @@ PyTypeObject kCallType = type_of("embedcar_front.Call", sizeof(CallObject),
                                  "One gRPC call taken by the front: answer it once with reply() or fail().",
                                  kCallMethods, call_dealloc);
 
-// With the GIL: handler(method, body, api_key, timeout_s, call); false if it raised (a bug, reported
-// without a traceback kept).
+// With the GIL: handler(method, body, api_key, timeout_s, call), body None for a stream's opening; false
+// if it raised (a bug, reported without a traceback kept).
 bool hand_to_python(PyObject* handler, grpc::CallbackServerContext* ctx, const std::string& method,
-                    const std::string& body, PyObject* call) {
+                    const std::string* body, PyObject* call) {
   PyObject* py_key = nullptr;
   for (const auto& [k, v] : ctx->client_metadata()) {
     if (k == kApiKey) {
@@ -270,8 +271,12 @@ bool hand_to_python(PyObject* handler, grpc::CallbackServerContext* ctx, const s
   if (deadline != std::chrono::system_clock::time_point::max()) {
     timeout_s = std::chrono::duration<double>(deadline - std::chrono::system_clock::now()).count();
   }
-  PyObject* result = PyObject_CallFunction(handler, "s#y#OdO", method.data(), static_cast<Py_ssize_t>(method.size()),
-                                           body.data(), static_cast<Py_ssize_t>(body.size()), py_key, timeout_s, call);
+  PyObject* result =
+      body == nullptr
+          ? PyObject_CallFunction(handler, "s#OOdO", method.data(), static_cast<Py_ssize_t>(method.size()), Py_None,
+                                  py_key, timeout_s, call)
+          : PyObject_CallFunction(handler, "s#y#OdO", method.data(), static_cast<Py_ssize_t>(method.size()),
+                                  body->data(), static_cast<Py_ssize_t>(body->size()), py_key, timeout_s, call);
   Py_DECREF(py_key);
   if (result == nullptr) {
     PyErr_WriteUnraisable(handler);
@@ -295,7 +300,7 @@ grpc::ServerUnaryReactor* take_unary(PyObject* handler, const std::string& metho
     return reactor;
   }
   call->reactor = reactor;
-  if (!hand_to_python(handler, ctx, method, body, reinterpret_cast<PyObject*>(call)))
+  if (!hand_to_python(handler, ctx, method, &body, reinterpret_cast<PyObject*>(call)))
     fail_unanswered(call, "the sidecar failed to take this call");
   Py_DECREF(reinterpret_cast<PyObject*>(call));  // unanswered and unreferenced: dealloc fails it
   PyGILState_Release(gil);
@@ -411,7 +416,7 @@ void Streamer::OnReadDone(bool ok) {
     ++owed_;
   }
   PyGILState_STATE gil = enter_python();
-  if (!hand_to_python(handler_, ctx_, ctx_->method(), body, reinterpret_cast<PyObject*>(call_)))
+  if (!hand_to_python(handler_, ctx_, ctx_->method(), &body, reinterpret_cast<PyObject*>(call_)))
     End(grpc::Status(grpc::StatusCode::INTERNAL, "the sidecar failed to take a message of this stream"));
   PyGILState_Release(gil);
   bool more = false;
@@ -527,6 +532,10 @@ grpc::ServerGenericBidiReactor* new_streamer(grpc::GenericCallbackServerContext*
   call->state = nullptr;
   auto* streamer = new Streamer(ctx, handler, call);
   call->streamer = streamer;
+  // The stream's opening (no message: None) goes to Python first, which may refuse it (a wrong key)
+  // before any message is read: gRPC keeps a Finish made before it has the reactor.
+  if (!hand_to_python(handler, ctx, ctx->method(), nullptr, reinterpret_cast<PyObject*>(call)))
+    streamer->End(grpc::Status(grpc::StatusCode::INTERNAL, "the sidecar failed to take this stream"));
   PyGILState_Release(gil);
   return streamer;
 }
