@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -47,7 +46,7 @@ from sidecar.service import EmbedService
 from sidecar.settings import Settings
 from sidecar.shedding import Gate
 from sidecar.tls import server_tls
-from sidecar.unix_socket import UnixSocket, prepare_unix_socket, restrict_unix_socket
+from sidecar.unix_socket import UnixSocket, prepare_unix_socket, private_socket_dir, restrict_unix_socket
 
 if TYPE_CHECKING:
     import grpc
@@ -231,7 +230,7 @@ class Sidecar:
         """The compiled front on grpc_port (and uds_path); the grpc.aio server behind it on a private Unix
         socket, for what the front relays (health, reflection)."""
         s = self.settings.sidecar
-        self._relay_dir = Path(tempfile.mkdtemp(prefix="embedcar-grpc-"))  # 0700: the sidecar's alone
+        self._relay_dir = private_socket_dir()  # 0700: the sidecar's alone
         relay = self._relay_dir / "aio.sock"
         self._grpc, _, _ = create_server(s, servicer, self._health, relay=relay)
         await self._grpc.start()
