@@ -402,19 +402,22 @@ class Streamer : public grpc::ServerGenericBidiReactor {
 };
 
 void Streamer::OnReadDone(bool ok) {
-  if (!ok) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
+  bool take = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // A stream that has ended (refused as it opened, failed by Python, left by its caller) takes no message.
+    take = ok && !ended_ && !broken_ && !caller_gone_;
+    if (take) {
+      ++owed_;
+    } else {
       reads_done_ = true;
     }
+  }
+  if (!take) {
     MaybeFinish();
     return;
   }
   std::string body = joined(request_);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++owed_;
-  }
   PyGILState_STATE gil = enter_python();
   if (!hand_to_python(handler_, ctx_, ctx_->method(), &body, reinterpret_cast<PyObject*>(call_)))
     End(grpc::Status(grpc::StatusCode::INTERNAL, "the sidecar failed to take a message of this stream"));
