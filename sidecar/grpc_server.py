@@ -227,10 +227,8 @@ class EmbedderServicer:
                 return None, True
             self._ok["embed"].inc()
             reply = pb.StreamReply(id=rid, embed=_embed_reply(inner, out))
-        except EmbedcarError as exc:
-            reply = pb.StreamReply(id=rid or _stream_id(raw), error=self._error(rpc, exc))
         except Exception as exc:
-            reply = pb.StreamReply(id=rid, error=self._error(rpc, Internal(f"unexpected error: {type(exc).__name__}")))
+            reply = self._stream_failed(raw, rid, rpc, exc)
         return bytes(reply.SerializeToString()), False
 
     async def stream_one(self, raw: bytes, key: str | None, stream_deadline: float | None, *,
@@ -241,11 +239,15 @@ class EmbedderServicer:
         try:
             rid, rpc, inner, deadline = _stream_message(raw, arrived, stream_deadline)
             reply = await self._handle(rpc, inner, key, deadline, authenticated=authenticated)
-        except EmbedcarError as exc:
-            return pb.StreamReply(id=rid or _stream_id(raw), error=self._error(rpc, exc))
         except Exception as exc:
-            return pb.StreamReply(id=rid, error=self._error(rpc, Internal(f"unexpected error: {type(exc).__name__}")))
+            return self._stream_failed(raw, rid, rpc, exc)
         return pb.StreamReply(id=rid, **{rpc: reply})
+
+    def _stream_failed(self, raw: bytes, rid: int, rpc: str, exc: Exception) -> pb.StreamReply:
+        """A Stream message's error reply (counted): the id echoed where it was read (or can be), a bug INTERNAL."""
+        if isinstance(exc, EmbedcarError):
+            return pb.StreamReply(id=rid or _stream_id(raw), error=self._error(rpc, exc))
+        return pb.StreamReply(id=rid, error=self._error(rpc, Internal(f"unexpected error: {type(exc).__name__}")))
 
     async def _handle(self, rpc: str, req: Any, key: str | None, deadline: float | None, *,
                       authenticated: bool = False) -> Any:
