@@ -9,7 +9,7 @@ MODEL := models/all-MiniLM-L6-v2/manifest.json
 # dependencies: we use only the binary, and its Python API pins numpy < 2.
 PYTRITON := nvidia-pytriton==0.7.0
 
-.PHONY: install model demo test faults lint docs lock clean browser native java infinity
+.PHONY: install model demo test faults lint docs lock clean browser native allocator java infinity
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -27,10 +27,10 @@ $(MODEL): $(STAMP)
 
 model: $(MODEL)
 
-demo: $(MODEL)
+demo: $(MODEL) allocator
 	$(BIN)/embedcar demo
 
-test: $(MODEL) browser native java
+test: $(MODEL) browser native allocator java
 	$(BIN)/python -m pytest -q -ra
 
 # The fault suite at full length (tens of minutes, wants an otherwise idle machine): docs/reliability.md.
@@ -51,6 +51,13 @@ native:
 	@{ test -f /usr/include/grpcpp/generic/generic_stub.h && test -f "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h"; } || { \
 	  (apt-get update -qq && apt-get install -y -qq g++ libgrpc++-dev python3-dev) >/dev/null 2>&1 \
 	  || echo "libgrpc++-dev could not be installed: the compiled sender's and front's tests will be skipped"; }
+
+# mimalloc, the sidecar's malloc where it is installed (sidecar/allocator.py; Debian 12 names it
+# libmimalloc2.0, later releases libmimalloc3). Best effort: without it the sidecar uses the C library's.
+allocator:
+	@$(PY) -c 'import ctypes.util, sys; sys.exit(ctypes.util.find_library("mimalloc") is None)' || { \
+	  (apt-get update -qq && { apt-get install -y -qq libmimalloc2.0 || apt-get install -y -qq libmimalloc3; }) >/dev/null 2>&1 \
+	  || echo "mimalloc could not be installed: the sidecar will use the C library's malloc"; }
 
 # Debian's grpc-java, its runtime jars and protoc plugin, and a JDK for the Java client (sidecar/java/,
 # built by sidecar/java_client.py, which names the packages; no Maven). Best effort: without them the

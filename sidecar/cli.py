@@ -39,8 +39,12 @@ def register(sub: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    from sidecar.allocator import use
+
+    allocator = use(settings.sidecar.allocator)  # first: it may start this program again
     described = settings.describe()  # secrets redacted
     log.info("settings: %s", json.dumps({k: described[k] for k in ("model", "sidecar")}))
+    log.info("allocator: %s", allocator)
     if settings.sidecar.cpu_slice_us > 0:  # before the model's and gRPC's threads start: they inherit it
         from sidecar.cpu_slice import set_slice
 

@@ -37,6 +37,8 @@ shell's EMBEDCAR_* variables do not leak into them):
   stream-aio          the same on a grpc.aio main port (sidecar.grpc_server=aio): no relay
   front               a grpc.aio main port and the compiled front on a port of its own
                       (sidecar.native_grpc_port), the unary calls sent there
+  system-malloc       + sidecar.allocator=system: the C library's malloc instead of mimalloc
+                      (sidecar/allocator.py; the same as `default` where mimalloc is not installed)
   kernel-slice        + sidecar.cpu_slice_us=0: the kernel's default slice for the sidecar's threads
                       instead of the short one they ask for (sidecar.cpu_slice)
   spinning            + model.ort_spinning=true
@@ -48,6 +50,7 @@ shell's EMBEDCAR_* variables do not leak into them):
   triton-aio          the same with sidecar.grpc_server=aio (grpc.aio on the main port)
   triton-front        a grpc.aio main port and the compiled front on a port of its own, its calls sent
                       there
+  triton-system-malloc  the `triton` row with sidecar.allocator=system
 
 Verdicts (issue #25's targets; a benchmark, not a gate: exit 0 whatever they say), per sidecar row,
 against the model beside it (or, with --pairs 0, the model rows: their lowest CPU per query and the
@@ -90,8 +93,10 @@ Record = dict[str, Any]
 
 # The embedded path's levers this bench compares: ("section.field", value) per configuration.
 LEVERS = ("model.intra_op_threads", "model.ort_spinning", "model.pad_multiple", "model.small_pass_tokens",
-          "sidecar.inline_forward", "sidecar.cpu_slice_us", "sidecar.grpc_server", "sidecar.native_grpc_port")
+          "sidecar.inline_forward", "sidecar.cpu_slice_us", "sidecar.allocator", "sidecar.grpc_server",
+          "sidecar.native_grpc_port")
 AIO: dict[str, object] = {"sidecar.grpc_server": "aio"}
+SYSTEM_MALLOC: dict[str, object] = {"sidecar.allocator": "system"}
 EMBEDDED: dict[str, dict[str, object]] = {
     "default": {},
     "aio": AIO,
@@ -103,15 +108,18 @@ EMBEDDED: dict[str, dict[str, object]] = {
     "stream-aio": AIO,
     "front": AIO,  # and the compiled front on a free port (FRONTED), its calls sent there
     "kernel-slice": {"sidecar.cpu_slice_us": 0},
+    "system-malloc": SYSTEM_MALLOC,
     "spinning": {"model.ort_spinning": True},
     "before": {"model.ort_spinning": True, "model.pad_multiple": 0},
     "no-spin-bucket": {"model.ort_spinning": False, "model.pad_multiple": 0},
 }
 MODEL = {"model-1t": 1, "model-2t": 0}  # ORT threads (0 = every core)
-TRITON = {"triton": {}, "triton-aio": AIO, "triton-front": AIO}  # the sidecar over a local tritonserver
+# The sidecar over a local tritonserver.
+TRITON = {"triton": {}, "triton-aio": AIO, "triton-front": AIO, "triton-system-malloc": SYSTEM_MALLOC}
 CONFIGS = (*MODEL, *EMBEDDED, *TRITON)
 DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "aio", "every-core", "small-pass", "executor",
-                   "event-engine", "stream", "stream-aio", "kernel-slice", "spinning", "before", "triton", "triton-aio")
+                   "event-engine", "stream", "stream-aio", "kernel-slice", "system-malloc", "spinning", "before",
+                   "triton", "triton-aio", "triton-system-malloc")
 STREAMED = {"stream", "stream-aio"}  # configurations whose queries are messages on one open Stream call
 FRONTED = {"front", "triton-front"}  # configurations whose calls go to the compiled gRPC front
 DESCRIPTIONS = {
@@ -127,12 +135,14 @@ DESCRIPTIONS = {
     "stream-aio": "sidecar, embedded, grpc.aio on the main port, queries as Stream messages",
     "front": "sidecar, embedded, grpc.aio main port, calls to the compiled front's own port",
     "kernel-slice": "sidecar, embedded, the kernel's default CPU slice",
+    "system-malloc": "sidecar, embedded, the C library's malloc (not mimalloc)",
     "spinning": "sidecar, embedded, ORT threads spin",
     "before": "sidecar, embedded, the old default (spinning, bucket padding)",
     "no-spin-bucket": "sidecar, embedded, no spinning, bucket padding",
     "triton": "sidecar, Triton backend (CPU)",
     "triton-aio": "sidecar, Triton backend (CPU), grpc.aio on the main port",
     "triton-front": "sidecar, Triton backend (CPU), grpc.aio main port, calls to the compiled front's own port",
+    "triton-system-malloc": "sidecar, Triton backend (CPU), the C library's malloc (not mimalloc)",
 }
 CPU_MARGIN_MS = 1.0  # unary gRPC: the sidecar may add this much CPU per query to the model's own
 STREAM_CPU_MARGIN_MS = 0.6  # a message on an open Stream call: no call to set up per query
