@@ -163,6 +163,7 @@ def test_each_embedded_configuration_states_every_lever() -> None:
                                        "EMBEDCAR_MODEL_SMALL_PASS_TOKENS": str(d.small_pass_tokens),
                                        "EMBEDCAR_SIDECAR_INLINE_FORWARD": str(sc.inline_forward).lower(),
                                        "EMBEDCAR_SIDECAR_CPU_SLICE_US": str(sc.cpu_slice_us),
+                                       "EMBEDCAR_SIDECAR_ALLOCATOR": sc.allocator,
                                        "EMBEDCAR_SIDECAR_GRPC_SERVER": sc.grpc_server,
                                        "EMBEDCAR_SIDECAR_NATIVE_GRPC_PORT": str(sc.native_grpc_port),
                                        "GRPC_EXPERIMENTS": POLLING_IO}
@@ -175,6 +176,8 @@ def test_each_embedded_configuration_states_every_lever() -> None:
     assert embedded_env("front") == embedded_env("triton-front") == aio  # the front's port is chosen when it runs
     assert embedded_env("triton") == embedded_env("default")
     assert embedded_env("kernel-slice")["EMBEDCAR_SIDECAR_CPU_SLICE_US"] == "0"
+    system = embedded_env("default") | {"EMBEDCAR_SIDECAR_ALLOCATOR": "system"}
+    assert embedded_env("system-malloc") == embedded_env("triton-system-malloc") == system
     assert embedded_env("executor")["EMBEDCAR_SIDECAR_INLINE_FORWARD"] == "false"
     assert embedded_env("every-core")["EMBEDCAR_MODEL_INTRA_OP_THREADS"] == str(os.cpu_count() or 1)
     before = embedded_env("before")

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from demo_ui.settings import Settings
 from inference.errors import Unavailable
 from inference.ports import free_port
+from sidecar.allocator import library
 from sidecar.app import SidecarThread
 from sidecar.client import Client
 from sidecar.cpu_slice import get_slice_ns
@@ -60,6 +61,11 @@ def test_serve_until_sigterm(settings: Settings, tmp_path: Path) -> None:
             assert "CPU slice: " in said
             if "CPU slice: not set" not in said:
                 assert slices == {100_000}
+            # mimalloc is its malloc where installed: started again with it preloaded (sidecar/allocator.py).
+            mimalloc = library("auto")
+            maps = Path(f"/proc/{proc.pid}/maps").read_text()
+            assert ("libmimalloc" in maps) == (mimalloc is not None)
+            assert f"allocator: {mimalloc or 'the C library'}" in said
             proc.terminate()
             assert proc.wait(60) == 0
         finally:
