@@ -228,7 +228,7 @@ def _register_neighbour(areas: Any) -> None:
     p.add_argument("--duration", type=float, default=20.0,
                    help="measured seconds per window (default 20; each configuration has two, quiet and beside)")
     p.add_argument("--warmup", type=float, default=3.0, help="uncounted seconds before them (default 3)")
-    p.add_argument("--idle", type=float, default=3.0, help="seconds of the idle-CPU window (default 3)")
+    p.add_argument("--idle", type=float, default=10.0, help="seconds of the idle-CPU window (default 10)")
     p.add_argument("--sla-ms", type=float, default=20.0, help="P95 budget beside the neighbour (default 20)")
     p.add_argument("--seed", type=int, default=0, help="query stream seed (default 0)")
     p.add_argument("--pairs", type=int, default=4,
