@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from demo_ui.settings import DemoSettings, Settings
@@ -24,6 +25,10 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _run(args: argparse.Namespace) -> int:
     from demo_ui.stack import run_demo
+    from sidecar.allocator import use
 
+    settings = _settings(args)
+    # The sidecar runs in this process: its malloc, as `sidecar serve`'s (may start this program again).
+    logging.getLogger("demo_ui").info("allocator: %s", use(settings.sidecar.allocator))
     backend = "embedded" if args.no_triton else args.backend
-    return run_demo(_settings(args), backend=backend)
+    return run_demo(settings, backend=backend)

@@ -8,9 +8,10 @@ from the model's pass beside it: glibc's malloc is a third of the tokenizer's ti
 most of the CPU, it is neutral.
 
 A malloc is replaced only by a library loaded before the program starts (LD_PRELOAD), so `embedcar
-sidecar serve` starts itself again with it, once, as its first step (the same pid: a supervisor's
-signals still reach it). What it starts afterwards (a compiler for the gRPC front) gets the
-environment it was given, without the library.
+sidecar serve` (and `embedcar demo`, whose sidecar runs in its process) starts itself again with it,
+once, as its first step (the same pid: a supervisor's signals still reach it). What it starts
+afterwards (a compiler for the gRPC front, the demo's tritonserver) gets the environment it was given,
+without the library.
 """
 
 from __future__ import annotations
