@@ -28,7 +28,6 @@ PRELOAD = "LD_PRELOAD"
 # Set in the started-again process: the LD_PRELOAD it was given and the names added beside it (restored
 # once it runs), and proof it was started again (never twice, even when the loader refused the library).
 GIVEN = "EMBEDCAR_ALLOCATOR_GIVEN"
-CHOICES = ("auto", "system")
 # mimalloc keeps the memory it has (an operator's own setting wins): by default it gives freed pages back
 # and the next query faults them in again (1-1.5 page faults a query against glibc's 0.3-0.5, no gain on
 # the embedded backend; with these, as many as glibc's). 2.0's name, then 2.1's and 3's.
