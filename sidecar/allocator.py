@@ -4,8 +4,8 @@ Per query the sidecar allocates and frees hundreds of small blocks (the tokenize
 vectors, gRPC's and protobuf's buffers) on whichever gRPC thread took the call, with the caches cold
 from the model's pass beside it: glibc's malloc is a third of the tokenizer's time there
 (`perf`, docs/benchmarks.md). mimalloc costs 0.07 ms less CPU per Triton-backend query on the
-2-vCPU reference host (same run, alternating); jemalloc 0.045. On the embedded backend, where ONNX Runtime's pass is
-most of the CPU, it is neutral.
+2-vCPU reference host (same run, alternating); jemalloc 0.045. On the embedded backend, where ONNX
+Runtime's pass is most of the CPU, it is neutral.
 
 A malloc is replaced only by a library loaded before the program starts (LD_PRELOAD), so `embedcar
 sidecar serve` (and `embedcar demo`, whose sidecar runs in its process) starts itself again with it,
@@ -73,7 +73,7 @@ def use(choice: str) -> str:
     if lib is None:
         return "the C library's malloc" + (" (no mimalloc installed)" if choice == "auto" else "")
     if loaded(lib):
-        return f"{Path(lib).name}"
+        return Path(lib).name
     if given is not None:
         return f"the C library's malloc ({lib} could not be preloaded: the loader's message is above)"
     current = os.environ.get(PRELOAD, "")
