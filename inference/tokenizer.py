@@ -3,6 +3,8 @@
 The shipped tokenizer.json of all-MiniLM-L6-v2 pads every input to 128: we switch that off, or
 every query would cost 128 tokens. A model with a prompt for its texts' role (E5's "query: ")
 gets it put before each text here, as sentence-transformers does, so callers never send it.
+A BERT-style tokenizer's common query (printable ASCII) skips the library's pipeline for the same ids
+(inference.wordpiece).
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
 from tokenizers import Tokenizer
 
 from inference.buckets import bucket_for, group_by_bucket
+from inference.wordpiece import AsciiWordPiece
 
 IntArray = npt.NDArray[np.int64]
 
@@ -77,6 +81,7 @@ class QueryTokenizer:
         self.max_text_chars = max_text_chars
         self.prompt = prompt
         self.pool_skip = pool_skip
+        self._ascii = AsciiWordPiece.from_tokenizer(self._tok)  # None: every text through the library
 
     def encode(self, texts: Sequence[str]) -> Encoded:
         cut = [len(t) > self.max_text_chars for t in texts]
@@ -84,11 +89,17 @@ class QueryTokenizer:
             texts = [t[: self.max_text_chars] for t in texts]
         if self.prompt:
             texts = [self.prompt + t for t in texts]
-        encs = self._tok.encode_batch(list(texts)) if len(texts) > 1 else [self._tok.encode(texts[0])]
-        return Encoded(
-            ids=[e.ids for e in encs],
-            truncated=[c or bool(e.overflowing) for c, e in zip(cut, encs, strict=True)],
-        )
+        shortcut = self._ascii
+        ids = [shortcut.encode(t) for t in texts] if shortcut is not None else [None] * len(texts)
+        truncated = list(cut)  # the shortcut answers only texts the truncation leaves whole
+        rest = [i for i, x in enumerate(ids) if x is None]
+        if rest:
+            tok = self._tok
+            encs = tok.encode_batch([texts[i] for i in rest]) if len(rest) > 1 else [tok.encode(texts[rest[0]])]
+            for i, e in zip(rest, encs, strict=True):
+                ids[i] = e.ids
+                truncated[i] = truncated[i] or bool(e.overflowing)
+        return Encoded(ids=cast(list[list[int]], ids), truncated=truncated)
 
     def batch(self, ids: Sequence[Sequence[int]], length: int | None = None) -> TokenBatch:
         """Pad `ids` to `length` (default: the bucket of the longest) as one [B, L] batch."""
