@@ -72,8 +72,9 @@ def test_what_only_the_library_answers(tiny: QueryTokenizer) -> None:
     assert shortcut is not None
     for text in ["café au lait", "milk\tbread", "milk [MASK] bread", "milk [cls]", "word " * 40, "a\x00b"]:
         assert shortcut.encode(text) is None, text
-    enc = tiny.encode(["milk bread", "café", "word " * 40, "tea"])  # answered in order, mixed
-    for i, text in enumerate(["milk bread", "café", "word " * 40, "tea"]):
+    mixed = ["milk bread", "café", "word " * 40, "tea"]
+    enc = tiny.encode(mixed)  # answered in order, mixed
+    for i, text in enumerate(mixed):
         assert enc.ids[i] == library_ids(tiny, text)[0]
     assert enc.truncated == [False, False, True, False]
 
