@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +32,7 @@ from sidecar.admission import Admission
 from sidecar.auth import KeyRing, check_bind
 from sidecar.cache import EmbeddingCache
 from sidecar.event_loop import new_event_loop
-from sidecar.grpc_server import SERVICE, EmbedderServicer, create_server, health_status
+from sidecar.grpc_server import SERVICE, EmbedderServicer, create_server, front_limits, health_status
 from sidecar.metrics import Metrics
 from sidecar.models import FALLBACK, ModelSet, ServedModel, build_model, served_names
 from sidecar.native_front import NativeFront, unavailable_reason
@@ -46,7 +45,7 @@ from sidecar.service import EmbedService
 from sidecar.settings import Settings
 from sidecar.shedding import Gate
 from sidecar.tls import server_tls
-from sidecar.unix_socket import UnixSocket, prepare_unix_socket, private_socket_dir, restrict_unix_socket
+from sidecar.unix_socket import UnixSocket, prepare_unix_socket, restrict_unix_socket
 
 if TYPE_CHECKING:
     import grpc
@@ -90,7 +89,6 @@ class Sidecar:
         self.native_grpc_port: int | None = None  # the compiled front's, when sidecar.native_grpc_port >= 0
         self._front: NativeFront | None = None
         self._main_front: NativeFront | None = None  # serving grpc_port (sidecar.grpc_server=compiled)
-        self._relay_dir: Path | None = None  # the private socket of the grpc.aio server behind it
         self.uds: UnixSocket | None = None
         self.http_port: int | None = None
         self.serving = False
@@ -176,7 +174,7 @@ class Sidecar:
         await self._set_health(False)  # NOT_SERVING until the backend is warm
         if self._settle_heap:  # the process's collector is ours to report
             self._unwatch_gc = heap.watch_pauses(self.metrics.observe_gc_pause)
-        servicer = EmbedderServicer(self.service, self.metrics, self.gate)
+        servicer = EmbedderServicer(self.service, self.metrics, self.gate, max_owed=s.stream_max_owed)
         if s.grpc_server == "compiled" and self._front_builds():
             await self._start_compiled(servicer)
         else:
@@ -189,7 +187,7 @@ class Sidecar:
             self._front = NativeFront(servicer, asyncio.get_running_loop(), backlog=s.transport_backlog)
             try:
                 self.native_grpc_port = await asyncio.to_thread(self._front.start, s.host, s.native_grpc_port,
-                                                                s.max_message_bytes)
+                                                                s.max_message_bytes, front_limits(s))
             except Unavailable as exc:
                 raise Unavailable(f"sidecar.native_grpc_port: {exc.message}") from exc
         if s.http_port >= 0:
@@ -216,7 +214,7 @@ class Sidecar:
 
     @property
     def grpc_server(self) -> str:
-        """What serves grpc_port: "compiled" (the compiled front, relaying to grpc.aio) or "aio"."""
+        """What serves grpc_port: "compiled" (the compiled front) or "aio"."""
         return "compiled" if self._main_front is not None else "aio"
 
     @staticmethod
@@ -227,17 +225,12 @@ class Sidecar:
         return reason is None
 
     async def _start_compiled(self, servicer: EmbedderServicer) -> None:
-        """The compiled front on grpc_port (and uds_path); the grpc.aio server behind it on a private Unix
-        socket, for what the front relays (health, reflection)."""
+        """The compiled front on grpc_port (and uds_path), health and reflection included: no grpc.aio server."""
         s = self.settings.sidecar
-        self._relay_dir = private_socket_dir()  # 0700: the sidecar's alone
-        relay = self._relay_dir / "aio.sock"
-        self._grpc, _, _ = create_server(s, servicer, self._health, relay=relay)
-        await self._grpc.start()
         uds_path = prepare_unix_socket(s.uds_path) if s.uds_path is not None else None
         front = self._main_front = NativeFront(servicer, asyncio.get_running_loop(), backlog=s.transport_backlog)
         self.grpc_port = await asyncio.to_thread(front.start, s.host, s.grpc_port, s.max_message_bytes,
-                                                 relay=f"unix:{relay}", unix=uds_path, tls=self.tls)
+                                                 front_limits(s), unix=uds_path, tls=self.tls)
         if uds_path is not None:
             self.uds = restrict_unix_socket(uds_path)
 
@@ -265,6 +258,9 @@ class Sidecar:
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
             self.serving = False
+        for front in (self._main_front, self._front):
+            if front is not None:
+                front.shutdown_health()
         for task in (self._monitor, self._rollout):
             if task is not None:
                 task.cancel()
@@ -278,9 +274,6 @@ class Sidecar:
         if self._grpc is not None:
             await self._grpc.stop(grace)  # refuses new calls, lets in-flight ones finish within `grace`
             self._grpc = None
-        if self._relay_dir is not None:
-            shutil.rmtree(self._relay_dir, ignore_errors=True)
-            self._relay_dir = None
         if self.uds is not None:
             self.uds.remove()
         if self._http is not None and self._http_task is not None:
@@ -346,6 +339,9 @@ class Sidecar:
             status = health_status(serving)
             await self._health.set("", status)
             await self._health.set(SERVICE, status)
+        for front in (self._main_front, self._front):
+            if front is not None:
+                front.set_serving(serving, ("", SERVICE))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -22,7 +22,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from inference.errors import EmbedcarError, Internal, InvalidInput, Unauthenticated
 from sidecar.auth import KeyRing
@@ -36,6 +36,8 @@ from sidecar.tls import ServerTls
 from sidecar.unix_socket import UnixSocket, bind_unix_socket, prepare_unix_socket
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
+HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+SERVED = (SERVICE, HEALTH, reflection.SERVICE_NAME)  # what reflection lists
 API_KEY = "x-api-key"
 _F16 = "<f2"
 _F32 = "<f4"
@@ -121,15 +123,64 @@ def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
     return None if left is None else time.monotonic() + left
 
 
+class Reflection:
+    """Server reflection one request at a time, for the compiled front (grpc_reflection's own servicer;
+    grpc.aio serves it whole): a request's reply, or InvalidInput for bytes that are no request."""
+
+    METHOD = f"/{reflection.SERVICE_NAME}/ServerReflectionInfo"
+
+    def __init__(self) -> None:
+        self._servicer = reflection.ReflectionServicer(SERVED)
+
+    def answer(self, raw: bytes) -> bytes:
+        request = _decode(reflection_pb2.ServerReflectionRequest, raw)
+        [reply] = self._servicer.ServerReflectionInfo(iter([request]), None)
+        return bytes(reply.SerializeToString())
+
+
+@dataclass(frozen=True, slots=True)
+class FrontLimits:
+    """What one gRPC server allows a caller (both servers: `server_options`; the compiled front also
+    takes a memory quota, and stops reading a Stream `max_owed` replies ahead)."""
+
+    options: tuple[tuple[str, int], ...]
+    memory_bytes: int
+    max_owed: int
+
+
+def front_limits(settings: SidecarSettings) -> FrontLimits:
+    """The limits of a production gRPC server, from settings: concurrent streams per connection, idle and
+    maximum connection age, keepalive (the server pings a silent peer and drops a dead one; a client
+    pinging more often than every 10 s without calls is told GOAWAY after two strikes), header size."""
+    ms = 1000
+    options = [
+        ("grpc.max_concurrent_streams", settings.grpc_max_streams),
+        ("grpc.keepalive_time_ms", 60 * ms),
+        ("grpc.keepalive_timeout_ms", 20 * ms),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10 * ms),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.max_metadata_size", 16 * 1024),
+    ]
+    if settings.grpc_idle_s > 0:
+        options.append(("grpc.max_connection_idle_ms", int(settings.grpc_idle_s * ms)))
+    if settings.grpc_max_connection_age_s > 0:
+        options += [("grpc.max_connection_age_ms", int(settings.grpc_max_connection_age_s * ms)),
+                    ("grpc.max_connection_age_grace_ms", int(settings.grace_s * ms))]
+    return FrontLimits(tuple(options), settings.grpc_memory_mb * 1024 * 1024, settings.stream_max_owed)
+
+
 class EmbedderServicer:
     """Embed and Search as unary calls, and both over `Stream`: one handler per request kind, wrapped
     once for a unary call (an error ends the call with its status) and once for a stream message (an
     error is that request's reply)."""
 
-    def __init__(self, service: EmbedService, metrics: Metrics, gate: Gate | None = None) -> None:
+    def __init__(self, service: EmbedService, metrics: Metrics, gate: Gate | None = None, *,
+                 max_owed: int = 64) -> None:
         self.service = service
         self.metrics = metrics
         self.gate = gate  # refuses at once under overload, before a request is parsed (sidecar.shedding)
+        self.max_owed = max_owed  # a Stream's replies in flight before it stops reading (sidecar.stream_max_owed)
+        self.reflection = Reflection()
         # Label lookups cost ~15 µs each: bind the hot ones once.
         self._ok = {"embed": metrics.requests.labels("embed", "ok"), "search": metrics.requests.labels("search", "ok")}
 
@@ -141,7 +192,8 @@ class EmbedderServicer:
 
     async def stream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Each message becomes its own task, so requests in flight on one stream batch together as
-        separate calls would; replies go out in the order they finish, one write at a time."""
+        separate calls would; replies go out in the order they finish, one write at a time. The stream
+        stops reading while `max_owed` replies are unanswered or unwritten (a caller that never reads)."""
         key = _api_key(context)
         try:
             self.service.keys.tenant_for(key)  # a wrong key ends the stream; each request is checked again
@@ -149,13 +201,17 @@ class EmbedderServicer:
             await self._abort(context, "stream", exc)
         stream_deadline = _deadline(context)
         writing = asyncio.Lock()
+        owed = asyncio.Semaphore(self.max_owed)
 
         gate = self.gate
 
         async def answer(raw: bytes) -> None:
-            reply = await self.stream_one(raw, key, stream_deadline)
-            async with writing:
-                await context.write(reply.SerializeToString())
+            try:
+                reply = await self.stream_one(raw, key, stream_deadline)
+                async with writing:
+                    await context.write(reply.SerializeToString())
+            finally:
+                owed.release()
 
         async def refuse(raw: bytes, exc: EmbedcarError) -> None:
             reply = self.stream_refusal(raw, exc)
@@ -164,13 +220,17 @@ class EmbedderServicer:
 
         async with asyncio.TaskGroup() as tasks:  # the client leaving cancels what is still running
             async for raw in requests:
+                await owed.acquire()
                 refused = gate.enter() if gate is not None else None
                 if refused is None:
                     task = tasks.create_task(answer(raw))
                     if gate is not None:  # a callback, not `finally`: a task cancelled before it ran counts too
                         task.add_done_callback(lambda _t: gate.leave())
                 else:
-                    await refuse(raw, refused)
+                    try:
+                        await refuse(raw, refused)
+                    finally:
+                        owed.release()
 
     async def _unary(self, rpc: str, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         try:
@@ -300,13 +360,10 @@ def _embed_reply(req: pb.EmbedRequest, out: EmbedOutcome) -> pb.EmbedReply:
 
 
 def create_server(settings: SidecarSettings, servicer: EmbedderServicer, health: HealthServicer,
-                  tls: ServerTls | None = None, *, relay: Path | None = None
-                  ) -> tuple[grpc.aio.Server, int, UnixSocket | None]:
+                  tls: ServerTls | None = None) -> tuple[grpc.aio.Server, int, UnixSocket | None]:
     """A configured, unstarted server bound to settings.host:grpc_port (0 = free port), and to the
-    Unix socket settings.uds_path when set (no network reach: the bind check does not apply to it).
-    With `relay`, bound to that private Unix socket alone (the compiled front serves the sidecar's
-    own addresses and relays what it does not answer there): port 0, no UnixSocket."""
-    uds_path = prepare_unix_socket(settings.uds_path) if settings.uds_path is not None and relay is None else None
+    Unix socket settings.uds_path when set (no network reach: the bind check does not apply to it)."""
+    uds_path = prepare_unix_socket(settings.uds_path) if settings.uds_path is not None else None
     limit = settings.max_message_bytes
     keys = servicer.service.keys
     # Only with keys: an interceptor costs every call a coroutine hop.
@@ -316,6 +373,7 @@ def create_server(settings: SidecarSettings, servicer: EmbedderServicer, health:
         ("grpc.max_send_message_length", max(limit, 64 * 1024 * 1024)),
         ("grpc.so_reuseport", 0),
         *backlog_options(settings.transport_backlog),
+        *front_limits(settings).options,  # grpcio takes no memory quota here: Python's own buffers dominate
     ])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
         # No (de)serializers: the servicer parses bytes itself (see module docstring).
@@ -324,11 +382,7 @@ def create_server(settings: SidecarSettings, servicer: EmbedderServicer, health:
         "Stream": grpc.stream_stream_rpc_method_handler(servicer.stream),
     }),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    if relay is not None:
-        server.add_insecure_port(f"unix:{relay}")
-        return server, 0, None
+    reflection.enable_server_reflection(SERVED, server)
     address = grpc_address(settings.host, settings.grpc_port)
     port = server.add_secure_port(address, tls.grpc_credentials()) if tls else server.add_insecure_port(address)
     uds = bind_unix_socket(server, uds_path) if uds_path is not None else None

@@ -9,8 +9,10 @@ message) needs no waiting (one text, a cache hit or the model idle while queries
 EmbedPipeline.run_now), answers it itself while the event loop sleeps (`sidecar.event_loop`): one
 thread woken per query. Anything else (a busy model, several texts, Search, a loop that is awake) goes
 to the event loop and the same servicer as grpc.aio's, so replies, errors, metrics and limits are the
-same. Health and reflection are relayed by the front to the grpc.aio server behind it (on a private
-Unix socket); on a port of its own the front fails them UNIMPLEMENTED.
+same. Health is gRPC C++'s own service (its status set by the sidecar: `set_serving`); reflection is
+answered on the gRPC thread by grpc_reflection's servicer, one reply per request, after the stream's key
+is checked as it opens. No caller's metadata is ever copied into another gRPC call (gRPC's client side
+asserts on headers its server side accepts: one odd header used to abort the process).
 
 On the Triton backend the front's thread makes the Triton call itself, through the module's
 blocking client (`open_channel`), and lets go of the loop while it waits: the loop may run meanwhile,
@@ -46,7 +48,7 @@ from inference.grpc_io import EXPERIMENTS, POLLING_IO
 from inference.triton.tls import ClientCredentials
 from sidecar.errors import grpc_code
 from sidecar.event_loop import idle_lock
-from sidecar.grpc_server import SERVICE, EmbedderServicer, grpc_address
+from sidecar.grpc_server import SERVICE, EmbedderServicer, FrontLimits, Reflection, grpc_address
 from sidecar.native_build import build_native, load_module
 from sidecar.tls import ServerTls
 from sidecar.unix_socket import owner_only_files
@@ -56,6 +58,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "native" / "front.cc"
 METHODS = {f"/{SERVICE}/Embed": "embed", f"/{SERVICE}/Search": "search"}
 STREAM = f"/{SERVICE}/Stream"
+REFLECTION = Reflection.METHOD
 _CANCELLED = grpc.StatusCode.CANCELLED.value[0]
 _CALLER_LEFT = "the caller cancelled the call"
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
@@ -138,12 +141,12 @@ class NativeFront:
         self._front: Any = None
         self.port = 0
 
-    def start(self, host: str, port: int, max_message_bytes: int, *, relay: str | None = None,
+    def start(self, host: str, port: int, max_message_bytes: int, limits: FrontLimits, *,
               unix: Path | None = None, tls: ServerTls | None = None) -> int:
-        """Build (first time) and start the front; the bound port. Raises Unavailable where it cannot build.
-        `relay`: the gRPC target methods other than Embed, Search and Stream go to (the sidecar's grpc.aio server;
-        without it they fail UNIMPLEMENTED); `unix`: a prepared Unix socket path to listen on too (mode 0600
-        until the caller restricts it); `tls`: serve TCP with it."""
+        """Build (first time) and start the front (health NOT_SERVING until `set_serving`); the bound port.
+        Raises Unavailable where it cannot build. `limits`: gRPC's server arguments, memory quota and a
+        Stream's read-ahead; `unix`: a prepared Unix socket path to listen on too (mode 0600 until the
+        caller restricts it); `tls`: serve TCP with it."""
         try:
             module: Any = load_module(SOURCE, "embedcar_front")
         except Unavailable as exc:
@@ -153,8 +156,9 @@ class NativeFront:
         pems = {"key_pem": tls.private_key, "cert_pem": tls.cert_chain, "client_ca_pem": tls.client_ca} if tls else {}
         with _library_env(), owner_only_files() if unix is not None else contextlib.nullcontext():
             self._front = module.Front(grpc_address(host, port), max_message_bytes, self._on_call,
-                                       served=(*METHODS, STREAM), streamed=STREAM, relay=relay,
-                                       unix=str(unix) if unix is not None else None, **pems)
+                                       served=tuple(METHODS), streamed=(STREAM, REFLECTION),
+                                       unix=str(unix) if unix is not None else None, options=limits.options,
+                                       memory_bytes=limits.memory_bytes, max_owed=limits.max_owed, **pems)
         self.port = int(self._front.port)
         return self.port
 
@@ -162,6 +166,17 @@ class NativeFront:
         """Let the front's threads make `backend`'s calls themselves where it has blocking ones (Triton)."""
         if isinstance(backend, TritonBackend) and self._module is not None and self._lock is not None:
             backend.use_blocking_channels(functools.partial(open_channel, lock=self._lock, holding=self._holding))
+
+    def set_serving(self, serving: bool, services: Sequence[str]) -> None:
+        """The health status the front's health service gives for each of `services` ("" = the server)."""
+        if self._front is not None:
+            for name in services:
+                self._front.set_serving(serving, name)
+
+    def shutdown_health(self) -> None:
+        """NOT_SERVING for good: the sidecar is stopping (later set_serving calls are ignored)."""
+        if self._front is not None:
+            self._front.shutdown_health()
 
     async def stop(self, grace_s: float) -> None:
         """Refuse new calls; calls in flight finish on the loop within `grace_s` (so it must keep running)."""
@@ -174,8 +189,11 @@ class NativeFront:
         if method == STREAM:
             self._on_message(raw, key, timeout_s, call)
             return
-        assert raw is not None  # None only opens a Stream
-        rpc = METHODS[method]  # the front hands over only the methods `start` names (others: relay or UNIMPLEMENTED)
+        if method == REFLECTION:
+            self._on_reflection(raw, key, call)
+            return
+        assert raw is not None  # None only opens a stream
+        rpc = METHODS[method]  # the front hands over only the methods `start` names (others: UNIMPLEMENTED)
         deadline = time.monotonic() + timeout_s if math.isfinite(timeout_s) else None
         body: bytes | None = None
         authenticated = False
@@ -237,6 +255,23 @@ class NativeFront:
             self._loop.call_soon_threadsafe(self._stream_later, raw, key, state, stream, entered)
         except RuntimeError:  # the loop has closed: the sidecar is gone
             stream.fail(grpc.StatusCode.UNAVAILABLE.value[0], "the sidecar is shutting down")
+
+    def _on_reflection(self, raw: bytes | None, key: str | None, stream: Any) -> None:
+        """A reflection stream's opening (its key checked where keys are set, as grpc.aio's KeyInterceptor
+        does) or one of its requests, answered here: reflection reads only the protobuf descriptors."""
+        servicer = self._servicer
+        if raw is None:
+            try:
+                servicer.service.keys.tenant_for(key)
+            except EmbedcarError as exc:
+                stream.fail(grpc_code(exc).value[0], exc.message)
+            return
+        try:
+            reply = servicer.reflection.answer(raw)
+        except EmbedcarError as exc:
+            stream.fail(grpc_code(exc).value[0], exc.message)
+            return
+        stream.write(reply)
 
     @contextlib.contextmanager
     def _loop_asleep(self) -> Iterator[bool]:

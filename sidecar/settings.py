@@ -20,8 +20,8 @@ class SidecarSettings:
     grpc_server: str = setting(
         "compiled", "What serves grpc_port (and uds_path): `compiled` = the compiled front (gRPC's C++ library, "
         "built on first use; sidecar/native_front.py) answers Embed, Search and Stream, a one-text query that "
-        "needs no waiting on the gRPC thread that took it, and relays health and reflection to the grpc.aio "
-        "server on a private Unix socket; ~1 ms less CPU per query on a slow 2-vCPU host (docs/benchmarks.md). "
+        "needs no waiting on the gRPC thread that took it; health is gRPC C++'s own service and reflection is "
+        "answered in-process; ~1 ms less CPU per query on a slow 2-vCPU host (docs/benchmarks.md). "
         "`aio` = grpc.aio alone. Where the front cannot be built (no g++ or libgrpc++) the sidecar says so "
         "and serves with grpc.aio.", choices=("compiled", "aio")
     )
@@ -30,10 +30,19 @@ class SidecarSettings:
         "built on first use; sidecar/native_front.py): a query that needs no waiting is answered on the gRPC "
         "thread that took it (on the Triton backend that thread makes the Triton call itself), 0.1-0.5 ms less "
         "CPU per call than a grpc.aio main port (docs/benchmarks.md; grpc_server=compiled puts the front on "
-        "grpc_port itself). Plaintext TCP only; health and reflection stay on grpc_port. 0 = pick a "
-        "free one, -1 = off."
+        "grpc_port itself). Plaintext TCP only. 0 = pick a free one, -1 = off."
     )
     http_port: int = setting(8080, "HTTP facade port (0 = pick a free one, -1 = off).")
+    http_header_timeout_s: float = setting(
+        10.0, "HTTP: a request's header block must be complete this long after the connection opened or its "
+        "first byte came (408, the connection closed). Idle keep-alive connections close after 5 s (uvicorn).")
+    http_body_timeout_s: float = setting(
+        10.0, "HTTP: a POST's body must be complete this long after its headers (408, the connection closed); "
+        "only a caller whose key passed waits for its body, and it holds no in-flight place meanwhile.")
+    http_max_connections: int = setting(
+        1024, "HTTP connections open at once: past it a new one closes the connection that has waited longest "
+        "without a request in progress (idle keep-alive, or a header block still coming), else it is answered "
+        "503 and closed, never queued.")
     models: tuple[str, ...] = setting(
         (), "Models this sidecar serves (prepared directories under model.models_dir), the first the default; "
         "a request names one with its `model` field (gRPC) or body (HTTP). Empty = model.name alone."
@@ -57,6 +66,20 @@ class SidecarSettings:
     cache_entries: int = setting(100_000, "Hot-query cache size in entries (0 = off).")
     cache_ttl_s: float = setting(3600.0, "Cache entry lifetime.")
     max_message_bytes: int = setting(4 * 1024 * 1024, "Largest gRPC/HTTP request body.")
+    grpc_max_streams: int = setting(
+        100, "gRPC: concurrent calls (streams) one connection may have open; past it the client waits "
+        "(HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS).")
+    grpc_idle_s: float = setting(
+        600.0, "gRPC: a connection with no call for this long is closed (GOAWAY; clients reconnect). 0 = never.")
+    grpc_max_connection_age_s: float = setting(
+        0.0, "gRPC: a connection older than this is asked to go away, its calls given grace_s to finish "
+        "(behind a load balancer, to spread reconnections). 0 = no limit: a search node's Stream may stay open.")
+    grpc_memory_mb: int = setting(
+        256, "Compiled gRPC front: memory its connections' buffers may hold together (a gRPC resource quota); "
+        "under pressure gRPC shrinks buffers and refuses new streams.")
+    stream_max_owed: int = setting(
+        64, "gRPC Stream: requests one stream may have unanswered or unwritten before the sidecar stops "
+        "reading it (a caller that sends and never reads holds at most this many).")
     batch_wait_us: int = setting(500, "Embedded micro-batcher: longest wait to fill a batch.")
     inline_forward: bool = setting(
         True, "Embedded micro-batcher: run a forward pass on the event loop itself when no other request "

@@ -1,6 +1,6 @@
 """The main gRPC port served by the compiled front (sidecar.grpc_server=compiled, the default): Embed,
-Search and Stream on the front, a sparse one-text query on its own thread; health and reflection relayed
-to the grpc.aio server behind it with the caller's metadata, deadline and cancellation both ways.
+Search and Stream on the front, a sparse one-text query on its own thread; health from gRPC C++'s own
+service, reflection answered in-process behind the key check; a stream's read-ahead bounded.
 
 Real sidecars on free ports; the front is built from sidecar/native/front.cc (skipped, saying why, where
 it cannot build).
@@ -36,9 +36,9 @@ def stream_request(rid: int, text: str) -> bytes:
 
 
 @needs_front
-def test_the_main_port_answers_on_the_fronts_thread_and_relays_the_rest(settings: Settings) -> None:
+def test_the_main_port_answers_on_the_fronts_thread_health_and_reflection_too(settings: Settings) -> None:
     """Sparse one-text Embeds and Stream messages each on the thread that took them; health and reflection
-    relayed."""
+    served by the front itself."""
     with SidecarThread(sidecar_settings(settings, http_port=-1, cache_entries=0)) as sc, \
             grpc.insecure_channel(sc.grpc_target) as ch, Client(sc.grpc_target) as c:
         assert sc._main_front is not None  # the default: the compiled front took grpc_port
@@ -76,12 +76,12 @@ def test_the_main_port_answers_on_the_fronts_thread_and_relays_the_rest(settings
 
 
 @needs_front
-def test_keys_and_deadlines_hold_on_the_stream_and_through_the_relay(settings: Settings,
+def test_keys_and_deadlines_hold_on_the_stream_reflection_and_health_watch(settings: Settings,
                                                                       probe_backend: ProbeBackend) -> None:
-    key = "relay-key-1f2e3d4c5b"
+    key = "front-key-1f2e3d4c5b"
     with SidecarThread(sidecar_settings(settings, http_port=-1, cache_entries=0, api_keys=f"shop={key}"),
                        backend=probe_backend) as sc, grpc.insecure_channel(sc.grpc_target) as ch:
-        # Relayed: the grpc.aio server's key check sees the caller's metadata; its status comes back.
+        # Reflection needs the key (as on grpc.aio); health does not, and a watch ends at the caller's deadline.
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
         ask = reflection_pb2.ServerReflectionRequest(list_services="")
         with pytest.raises(grpc.RpcError) as denied:
@@ -89,7 +89,7 @@ def test_keys_and_deadlines_hold_on_the_stream_and_through_the_relay(settings: S
         assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
         [listed] = list(refl.ServerReflectionInfo(iter([ask]), timeout=5, metadata=(("x-api-key", key),)))
         assert listed.list_services_response.service
-        with pytest.raises(grpc.RpcError) as watched:  # a relayed watch ends at the caller's deadline
+        with pytest.raises(grpc.RpcError) as watched:
             list(health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=1.0))
         assert watched.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         stream = ch.stream_stream(STREAM)
@@ -154,3 +154,42 @@ async def test_a_caller_leaving_a_stream_cancels_its_work(settings: Settings,
         finally:
             probe_backend.hold.set()
     assert all(isinstance(g, Unavailable) and "cancelled" in g.message for g in got), got
+
+
+@needs_front
+async def test_a_stream_stops_reading_while_its_replies_are_owed(settings: Settings,
+                                                                 probe_backend: ProbeBackend) -> None:
+    """With the backend held, the front takes only `stream_max_owed` of a stream's messages into Python
+    (the rest wait in gRPC's flow control, not in the sidecar's memory); once replies flow, it reads the
+    rest and every message gets its reply."""
+    texts = [f"oat milk {i}" for i in range(40)]
+    s = sidecar_settings(settings, http_port=-1, cache_entries=0, stream_max_owed=4, max_in_flight=1000)
+    with SidecarThread(s, backend=probe_backend) as sc:
+        front = sc._main_front
+        assert front is not None
+        taken: list[bytes] = []
+        on_message = front._on_message
+
+        def counting(raw: bytes | None, key: str | None, timeout_s: float, stream: object) -> None:
+            if raw is not None:
+                taken.append(raw)
+            on_message(raw, key, timeout_s, stream)
+
+        front._on_message = counting  # type: ignore[method-assign]
+        probe_backend.hold.clear()
+        probe_backend.entered.clear()
+        try:
+            async with grpc.aio.insecure_channel(sc.grpc_target) as ch:
+                call = ch.stream_stream(STREAM)()
+                for i, t in enumerate(texts):
+                    await call.write(stream_request(i + 1, t))
+                await until(probe_backend.entered.is_set, "the first message reached the backend")
+                await asyncio.sleep(0.5)  # time for the front to read more, were it to
+                assert len(taken) == 4
+                probe_backend.hold.set()
+                await call.done_writing()
+                replies = [pb.StreamReply.FromString(r) async for r in call]
+        finally:
+            probe_backend.hold.set()
+    assert sorted(r.id for r in replies) == list(range(1, len(texts) + 1))
+    assert all(r.WhichOneof("result") == "embed" for r in replies), replies[:3]

@@ -7,24 +7,28 @@
 // Why: a grpc.aio call wakes gRPC's poller thread and then the event loop; this wakes one thread
 // (docs/benchmarks.md, "A compiled gRPC front").
 //
-//   front = embedcar_front.Front(address, max_message_bytes, handler, served=(), streamed=None, relay=None,
-//                                unix=None, key_pem=None, cert_pem=None, client_ca_pem=None)
+//   front = embedcar_front.Front(address, max_message_bytes, handler, served=(), streamed=(), unix=None,
+//                                key_pem=None, cert_pem=None, client_ca_pem=None, options=(), memory_bytes=0,
+//                                max_owed=64)
 //   handler(method, request, api_key, timeout_s, call); front.port; front.stop(grace_s)
+//   front.set_serving(serving, service=None); front.shutdown_health()
 //
-// The `streamed` method (a bidirectional stream) goes to the handler once as it opens (request None: it
+// Each `streamed` method (a bidirectional stream) goes to the handler once as it opens (request None: it
 // may refuse it) and then message by message, each time with the same StreamCall for the stream:
 // stream.write(reply) once per message (in any order), stream.fail(code, message) ends it at once,
 // stream.on_cancel(fn), stream.state (Python's). It ends OK once the caller has half-closed and every
-// message has its reply.
+// message has its reply. A stream stops reading while `max_owed` replies are owed or unsent.
 //   call.reply(body: bytes); call.fail(code: int, message: str, retry_after: str | None = None)
 //   call.on_cancel(fn)  # fn() when the caller cancels the call (a Python task answering it can stop)
 //
 // The `served` unary methods come through gRPC's unary callback API (the request read with the call).
-// Methods other than `served` go to the server at `relay` when it is given (the sidecar's grpc.aio
-// server on a private Unix socket: health, reflection), message by message both ways with the
-// caller's metadata and deadline and the server's status and trailers; without `relay`, UNIMPLEMENTED.
-// `unix`: also listen on this Unix socket (plaintext); `key_pem`/`cert_pem`: TCP serves TLS, and with
-// `client_ca_pem` only to clients presenting a certificate that CA signed.
+// Health (Check, Watch) is gRPC's own default service, its status set from Python; any other method
+// is UNIMPLEMENTED. A caller's metadata never goes into another call (only x-api-key reaches Python):
+// gRPC's client side asserts on metadata its server side accepted. `options`: gRPC server arguments as
+// (name, int | str) pairs (the limits: sidecar/grpc_server.py server_options); `memory_bytes` > 0: a
+// resource quota for the server's buffers. `unix`: also listen on this Unix socket (plaintext);
+// `key_pem`/`cert_pem`: TCP serves TLS, and with `client_ca_pem` only to clients presenting a
+// certificate that CA signed.
 //
 // It is also a blocking client, for the backend calls the front's thread makes itself (the Triton
 // backend's ModelInfer): the call polls its own completion queue on the calling thread, the GIL
@@ -40,6 +44,8 @@
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
 #include <absl/synchronization/mutex.h>
 
 #include <algorithm>
@@ -308,8 +314,10 @@ grpc::ServerUnaryReactor* take_unary(PyObject* handler, const std::string& metho
 }
 
 // A Stream call served by the front: each message goes to the handler (with the same StreamCall object
-// every time) as it arrives, the next read at once; replies are written in the order Python gives them,
-// one at a time. The call ends OK once the caller has stopped sending and every message has its reply,
+// every time) as it arrives, the next read at once while fewer than `max_owed` replies are owed or unsent
+// (past it the stream stops reading until replies go out: a caller that sends and never reads holds at
+// most that many, and HTTP/2 flow control stops it sending); replies are written in the order Python
+// gives them, one at a time. The call ends OK once the caller has stopped sending and every message has its reply,
 // at once with the status Python gives (`fail`), or when the caller cancels or its deadline passes.
 class Streamer;
 struct StreamObject {
@@ -319,14 +327,14 @@ struct StreamObject {
 
 class Streamer : public grpc::ServerGenericBidiReactor {
  public:
-  Streamer(grpc::GenericCallbackServerContext* ctx, PyObject* handler, StreamObject* call)
-      : ctx_(ctx), handler_(handler), call_(call) {
+  Streamer(grpc::GenericCallbackServerContext* ctx, PyObject* handler, StreamObject* call, size_t max_owed)
+      : ctx_(ctx), handler_(handler), call_(call), max_owed_(std::max<size_t>(max_owed, 1)) {
     StartRead(&request_);
   }
 
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override {
-    bool next = false;
+    bool next = false, resume = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       writing_ = false;
@@ -336,7 +344,9 @@ class Streamer : public grpc::ServerGenericBidiReactor {
         reply_ = std::move(queue_.front());
         queue_.pop_front();
       }
+      resume = ResumeLocked();
     }
+    if (resume) StartRead(&request_);
     if (next) {
       StartWrite(&reply_);
     } else {
@@ -360,7 +370,7 @@ class Streamer : public grpc::ServerGenericBidiReactor {
       writing_ = true;
       reply_ = grpc::ByteBuffer(&slice, 1);
     }
-    StartWrite(&reply_);
+    StartWrite(&reply_);  // the backlog is unchanged (one owed became one unsent): no read to resume here
   }
   void End(grpc::Status status) {
     {
@@ -389,16 +399,26 @@ class Streamer : public grpc::ServerGenericBidiReactor {
     Finish(status);
   }
 
+  // Replies owed by Python or not yet written.
+  size_t BacklogLocked() const { return owed_ + queue_.size() + (writing_ ? 1 : 0); }
+  // Whether a paused stream reads again now (the caller then calls StartRead, outside the lock).
+  bool ResumeLocked() {
+    if (!paused_ || ended_ || broken_ || caller_gone_ || finished_ || BacklogLocked() >= max_owed_) return false;
+    paused_ = false;
+    return true;
+  }
+
   grpc::GenericCallbackServerContext* ctx_;
   PyObject* handler_;
   StreamObject* call_;  // a reference held until OnDone
+  const size_t max_owed_;
   grpc::ByteBuffer request_, reply_;
   std::mutex mu_;
   std::deque<grpc::ByteBuffer> queue_;
   grpc::Status status_;
   size_t owed_ = 0;
   bool writing_ = false, reads_done_ = false, ended_ = false, broken_ = false, caller_gone_ = false,
-       finished_ = false;
+       finished_ = false, paused_ = false;
 };
 
 void Streamer::OnReadDone(bool ok) {
@@ -422,15 +442,20 @@ void Streamer::OnReadDone(bool ok) {
   if (!hand_to_python(handler_, ctx_, ctx_->method(), &body, reinterpret_cast<PyObject*>(call_)))
     End(grpc::Status(grpc::StatusCode::INTERNAL, "the sidecar failed to take a message of this stream"));
   PyGILState_Release(gil);
-  bool more = false;
+  bool more = false, paused = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     more = !ended_ && !broken_ && !caller_gone_;
-    if (!more) reads_done_ = true;
+    if (!more) {
+      reads_done_ = true;
+    } else if (BacklogLocked() >= max_owed_) {
+      paused_ = paused = true;  // read again once replies have gone out (OnWriteDone)
+      more = false;
+    }
   }
   if (more) {
     StartRead(&request_);
-  } else {
+  } else if (!paused) {
     MaybeFinish();
   }
 }
@@ -524,7 +549,8 @@ class Refused : public grpc::ServerGenericBidiReactor {
 };
 
 // A Streamer with its Python object (made here, with the GIL).
-grpc::ServerGenericBidiReactor* new_streamer(grpc::GenericCallbackServerContext* ctx, PyObject* handler) {
+grpc::ServerGenericBidiReactor* new_streamer(grpc::GenericCallbackServerContext* ctx, PyObject* handler,
+                                             size_t max_owed) {
   PyGILState_STATE gil = enter_python();
   auto* call = PyObject_New(StreamObject, &kStreamType);
   if (call == nullptr) {
@@ -533,7 +559,7 @@ grpc::ServerGenericBidiReactor* new_streamer(grpc::GenericCallbackServerContext*
     return new Refused(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "out of memory"));
   }
   call->state = nullptr;
-  auto* streamer = new Streamer(ctx, handler, call);
+  auto* streamer = new Streamer(ctx, handler, call, max_owed);
   call->streamer = streamer;
   // The stream's opening (no message: None) goes to Python first, which may refuse it (a wrong key)
   // before any message is read: gRPC keeps a Finish made before it has the reactor.
@@ -542,90 +568,6 @@ grpc::ServerGenericBidiReactor* new_streamer(grpc::GenericCallbackServerContext*
   PyGILState_Release(gil);
   return streamer;
 }
-
-// A call the front does not serve itself, relayed to the server behind it (`relay`): each message the
-// caller sends is written upstream before the next is read, each upstream reply written to the caller
-// before the next is read, and the upstream status (with its trailers) ends the caller's call.
-class Relay : public grpc::ServerGenericBidiReactor {
- public:
-  Relay(grpc::GenericCallbackServerContext* ctx, grpc::GenericStub* stub)
-      : ctx_(ctx), method_(ctx->method()), upstream_(this) {
-    for (const auto& [k, v] : ctx->client_metadata()) {
-      std::string key(k.data(), k.size());
-      if (key.empty() || key[0] == ':' || key.rfind("grpc-", 0) == 0 || key == "user-agent" || key == "te" ||
-          key == "content-type")
-        continue;  // the transport's own headers: the upstream call sets its own
-      client_.AddMetadata(key, std::string(v.data(), v.size()));
-    }
-    if (ctx->deadline() != std::chrono::system_clock::time_point::max()) client_.set_deadline(ctx->deadline());
-    stub->PrepareBidiStreamingCall(&client_, method_, grpc::StubOptions(), &upstream_);
-    upstream_.AddHold();  // upstream's OnDone only after its last reply went to the caller (or never will)
-    upstream_.StartRead(&down_);
-    upstream_.StartCall();
-    StartRead(&up_);
-  }
-
-  // The caller's side.
-  void OnReadDone(bool ok) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (upstream_done_) return;  // upstream has ended the call: nothing more goes up
-    if (ok) {
-      upstream_.StartWrite(&up_);
-    } else {
-      upstream_.StartWritesDone();
-    }
-  }
-  void OnWriteDone(bool ok) override {
-    if (ok) {
-      upstream_.StartRead(&down_);
-    } else {  // the caller has gone: stop reading upstream and end it
-      client_.TryCancel();
-      upstream_.RemoveHold();
-    }
-  }
-  void OnCancel() override { client_.TryCancel(); }
-  void OnDone() override { delete this; }
-
- private:
-  class Upstream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
-   public:
-    explicit Upstream(Relay* relay) : relay_(relay) {}
-    void OnReadDone(bool ok) override {
-      if (ok) {
-        relay_->StartWrite(&relay_->down_);
-      } else {
-        RemoveHold();  // every reply has been passed on
-      }
-    }
-    void OnWriteDone(bool ok) override {
-      if (ok) relay_->StartRead(&relay_->up_);  // else upstream ended: its status follows
-    }
-    void OnDone(const grpc::Status& status) override { relay_->Upstreamed(status); }
-
-   private:
-    Relay* relay_;
-  };
-
-  void Upstreamed(const grpc::Status& status) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      upstream_done_ = true;
-    }
-    for (const auto& [k, v] : client_.GetServerTrailingMetadata()) {
-      std::string key(k.data(), k.size());
-      if (key.rfind("grpc-", 0) != 0) ctx_->AddTrailingMetadata(key, std::string(v.data(), v.size()));
-    }
-    Finish(status);
-  }
-
-  grpc::GenericCallbackServerContext* ctx_;
-  std::string method_;
-  grpc::ClientContext client_;
-  Upstream upstream_;
-  grpc::ByteBuffer up_, down_;
-  std::mutex mu_;
-  bool upstream_done_ = false;
-};
 
 // The unary methods the front serves itself, each through gRPC's unary callback API (raw bytes both ways).
 class Unaries : public grpc::Service {
@@ -646,26 +588,22 @@ class Unaries : public grpc::Service {
   std::deque<std::string> names_;
 };
 
-// Every other method: the stream, or relayed where `relay` is given, else UNIMPLEMENTED.
+// Every other method: a `streamed` one, else UNIMPLEMENTED (health is gRPC's own service, registered
+// apart). Nothing of a caller's call is passed on to another call: its metadata reaches only Python.
 class Service : public grpc::CallbackGenericService {
  public:
-  Service(PyObject* handler, std::string streamed, std::shared_ptr<grpc::Channel> relay)
-      : handler_(handler), streamed_(std::move(streamed)), relay_(std::move(relay)) {
-    if (relay_) stub_ = std::make_unique<grpc::GenericStub>(relay_);
-  }
+  Service(PyObject* handler, std::vector<std::string> streamed, size_t max_owed)
+      : handler_(handler), streamed_(std::move(streamed)), max_owed_(max_owed) {}
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
-    if (!streamed_.empty() && ctx->method() == streamed_) return new_streamer(ctx, handler_);
-    if (stub_) return new Relay(ctx, stub_.get());
-    return new Refused(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                                    ctx->method() + " is not served on this port (health and reflection are on the "
-                                                    "sidecar's main gRPC port)"));
+    if (std::find(streamed_.begin(), streamed_.end(), ctx->method()) != streamed_.end())
+      return new_streamer(ctx, handler_, max_owed_);
+    return new Refused(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "this method is not served here"));
   }
 
  private:
   PyObject* handler_;
-  std::string streamed_;
-  std::shared_ptr<grpc::Channel> relay_;
-  std::unique_ptr<grpc::GenericStub> stub_;
+  std::vector<std::string> streamed_;
+  size_t max_owed_;
 };
 
 // Reads a str or bytes argument that may be None; false (an error set) for anything else.
@@ -688,6 +626,73 @@ bool optional_text(PyObject* value, const char* what, std::string* out, bool* gi
   return true;
 }
 
+// Reads a sequence of str into `out`; false (an error set) otherwise.
+bool names_of(PyObject* value, const char* what, std::vector<std::string>* out) {
+  if (value == nullptr || value == Py_None) return true;
+  PyObject* seq = PySequence_Fast(value, what);
+  if (seq == nullptr) return false;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    const char* name = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
+    if (name == nullptr) {
+      Py_DECREF(seq);
+      return false;
+    }
+    out->emplace_back(name);
+  }
+  Py_DECREF(seq);
+  return true;
+}
+
+// Sets gRPC channel arguments from (name, int | str) pairs; false (an error set) otherwise.
+bool channel_arguments(PyObject* options, grpc::ChannelArguments* arguments) {
+  if (options == nullptr || options == Py_None) return true;
+  PyObject* seq = PySequence_Fast(options, "options must be a sequence of (name, value) pairs");
+  if (seq == nullptr) return false;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    const char* name = nullptr;
+    PyObject* value = nullptr;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "sO", &name, &value)) {
+      Py_DECREF(seq);
+      return false;
+    }
+    if (PyLong_Check(value)) {
+      long number = PyLong_AsLong(value);
+      if (number > std::numeric_limits<int>::max() || number < std::numeric_limits<int>::min()) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "option %s is out of range for an int", name);
+        return false;
+      }
+      arguments->SetInt(name, static_cast<int>(number));
+    } else if (PyUnicode_Check(value)) {
+      arguments->SetString(name, PyUnicode_AsUTF8(value));
+    } else {
+      Py_DECREF(seq);
+      PyErr_Format(PyExc_TypeError, "option %s must be an int or a str", name);
+      return false;
+    }
+  }
+  Py_DECREF(seq);
+  return true;
+}
+
+// Carries channel arguments into a ServerBuilder (which takes them one by one).
+class ArgumentsOption : public grpc::ServerBuilderOption {
+ public:
+  explicit ArgumentsOption(grpc::ChannelArguments arguments) : arguments_(std::move(arguments)) {}
+  void UpdateArguments(grpc::ChannelArguments* args) override {
+    grpc_channel_args c = arguments_.c_channel_args();
+    for (size_t i = 0; i < c.num_args; ++i) {
+      const grpc_arg& arg = c.args[i];
+      if (arg.type == GRPC_ARG_INTEGER) args->SetInt(arg.key, arg.value.integer);
+      if (arg.type == GRPC_ARG_STRING) args->SetString(arg.key, arg.value.string);
+    }
+  }
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>*) override {}
+
+ private:
+  grpc::ChannelArguments arguments_;
+};
+
 struct FrontObject {
   PyObject_HEAD PyObject* handler;
   Unaries* unaries;
@@ -698,14 +703,17 @@ struct FrontObject {
 
 int front_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<FrontObject*>(obj);
-  static const char* kwlist[] = {"address", "max_message_bytes", "handler", "served", "streamed", "relay", "unix",
-                                 "key_pem", "cert_pem", "client_ca_pem", nullptr};
+  static const char* kwlist[] = {"address", "max_message_bytes", "handler", "served", "streamed", "unix", "key_pem",
+                                 "cert_pem", "client_ca_pem", "options", "memory_bytes", "max_owed", nullptr};
   const char* address = nullptr;
   int max_message = 0;
-  PyObject *handler = nullptr, *served = nullptr, *streamed = nullptr, *relay = nullptr, *unix = nullptr;
+  long long memory_bytes = 0;
+  Py_ssize_t max_owed = 64;
+  PyObject *handler = nullptr, *served = nullptr, *streamed = nullptr, *unix = nullptr, *options = nullptr;
   PyObject *key = nullptr, *cert = nullptr, *client_ca = nullptr;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "siO|OOOOOOO", const_cast<char**>(kwlist), &address, &max_message,
-                                   &handler, &served, &streamed, &relay, &unix, &key, &cert, &client_ca))
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "siO|OOOOOOOLn", const_cast<char**>(kwlist), &address,
+                                   &max_message, &handler, &served, &streamed, &unix, &key, &cert, &client_ca,
+                                   &options, &memory_bytes, &max_owed))
     return -1;
   if (!PyCallable_Check(handler)) {
     PyErr_SetString(PyExc_TypeError, "handler must be callable");
@@ -715,26 +723,21 @@ int front_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
     PyErr_SetString(PyExc_RuntimeError, "already serving");
     return -1;
   }
-  std::vector<std::string> methods;
-  if (served != nullptr && served != Py_None) {
-    PyObject* seq = PySequence_Fast(served, "served must be a sequence of method names");
-    if (seq == nullptr) return -1;
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-      const char* name = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
-      if (name == nullptr) {
-        Py_DECREF(seq);
-        return -1;
-      }
-      methods.emplace_back(name);
-    }
-    Py_DECREF(seq);
+  if (max_owed < 1 || memory_bytes < 0) {
+    PyErr_SetString(PyExc_ValueError, "max_owed must be >= 1 and memory_bytes >= 0");
+    return -1;
   }
-  std::string relay_target, unix_path, stream_method;
+  std::vector<std::string> methods, stream_methods;
+  grpc::ChannelArguments arguments;
+  if (!names_of(served, "served must be a sequence of method names", &methods) ||
+      !names_of(streamed, "streamed must be a sequence of method names", &stream_methods) ||
+      !channel_arguments(options, &arguments))
+    return -1;
+  std::string unix_path;
   grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
   std::string ca;
-  bool has_relay = false, has_unix = false, has_key = false, has_cert = false, has_ca = false, has_stream = false;
-  if (!optional_text(streamed, "streamed", &stream_method, &has_stream) ||
-      !optional_text(relay, "relay", &relay_target, &has_relay) || !optional_text(unix, "unix", &unix_path, &has_unix) ||
+  bool has_unix = false, has_key = false, has_cert = false, has_ca = false;
+  if (!optional_text(unix, "unix", &unix_path, &has_unix) ||
       !optional_text(key, "key_pem", &pair.private_key, &has_key) ||
       !optional_text(cert, "cert_pem", &pair.cert_chain, &has_cert) ||
       !optional_text(client_ca, "client_ca_pem", &ca, &has_ca))
@@ -751,18 +754,11 @@ int front_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
     tls.pem_key_cert_pairs.push_back(pair);
     credentials = grpc::SslServerCredentials(tls);
   }
-  std::shared_ptr<grpc::Channel> upstream;
-  if (has_relay) {
-    grpc::ChannelArguments arguments;  // the front enforces the caller's limits; upstream takes what it passes
-    arguments.SetMaxReceiveMessageSize(-1);
-    arguments.SetMaxSendMessageSize(-1);
-    upstream = grpc::CreateCustomChannel(relay_target, grpc::InsecureChannelCredentials(), arguments);
-  }
   Py_INCREF(handler);
   self->handler = handler;
-  methods.erase(std::remove(methods.begin(), methods.end(), stream_method), methods.end());
+  for (const std::string& m : stream_methods) methods.erase(std::remove(methods.begin(), methods.end(), m), methods.end());
   self->unaries = new Unaries(handler, methods);
-  self->service = new Service(handler, std::move(stream_method), std::move(upstream));
+  self->service = new Service(handler, std::move(stream_methods), static_cast<size_t>(max_owed));
   std::string where(address);
   int port = 0;
   std::unique_ptr<grpc::Server> server;
@@ -771,9 +767,24 @@ int front_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
   if (has_unix) builder.AddListeningPort("unix:" + unix_path, grpc::InsecureServerCredentials());
   builder.SetMaxReceiveMessageSize(max_message);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetOption(std::make_unique<ArgumentsOption>(arguments));
+  if (memory_bytes > 0) {  // what gRPC may hold in buffers for all connections together
+    grpc::ResourceQuota quota("embedcar-front");
+    quota.Resize(static_cast<size_t>(memory_bytes));
+    builder.SetResourceQuota(quota);
+  }
   if (!methods.empty()) builder.RegisterService(self->unaries);
   builder.RegisterCallbackGenericService(self->service);
+  // gRPC's own health service (Check and Watch, no key: probes carry none), its status set by the
+  // sidecar (set_serving). The switch is process-wide and read at BuildAndStart only.
+  bool health_was = grpc::DefaultHealthCheckServiceEnabled();
+  grpc::EnableDefaultHealthCheckService(true);
   server = builder.BuildAndStart();
+  grpc::EnableDefaultHealthCheckService(health_was);
+  if (server) {
+    grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+    if (health != nullptr) health->SetServingStatus(false);  // NOT_SERVING until the sidecar says
+  }
   Py_END_ALLOW_THREADS if (!server || port == 0) {
     PyErr_Format(PyExc_OSError, "the compiled gRPC front cannot listen on %s%s%s", where.c_str(),
                  has_unix ? " and unix:" : "", has_unix ? unix_path.c_str() : "");
@@ -782,6 +793,31 @@ int front_init(PyObject* obj, PyObject* args, PyObject* kwargs) {
   self->server = server.release();
   self->port = port;
   return 0;
+}
+
+// set_serving(serving, service=None): the health status of `service` ("" = the server), or of all.
+PyObject* front_set_serving(PyObject* obj, PyObject* args) {
+  auto* self = reinterpret_cast<FrontObject*>(obj);
+  int serving = 0;
+  const char* service = nullptr;
+  if (!PyArg_ParseTuple(args, "p|z", &serving, &service)) return nullptr;
+  grpc::HealthCheckServiceInterface* health = self->server ? self->server->GetHealthCheckService() : nullptr;
+  if (health != nullptr) {
+    if (service == nullptr) {
+      health->SetServingStatus(serving != 0);
+    } else {
+      health->SetServingStatus(service, serving != 0);
+    }
+  }
+  Py_RETURN_NONE;
+}
+
+// shutdown_health(): every service NOT_SERVING from now on, later set_serving calls ignored (a stop).
+PyObject* front_shutdown_health(PyObject* obj, PyObject*) {
+  auto* self = reinterpret_cast<FrontObject*>(obj);
+  grpc::HealthCheckServiceInterface* health = self->server ? self->server->GetHealthCheckService() : nullptr;
+  if (health != nullptr) health->Shutdown();
+  Py_RETURN_NONE;
 }
 
 PyObject* front_stop(PyObject* obj, PyObject* args) {
@@ -816,14 +852,19 @@ void front_dealloc(PyObject* obj) {
 
 PyMethodDef kFrontMethods[] = {
     {"stop", front_stop, METH_VARARGS, "stop(grace_s=0): refuse new calls, let running ones finish, stop"},
+    {"set_serving", front_set_serving, METH_VARARGS,
+     "set_serving(serving, service=None): the health status of one service (\"\" = the server) or of all"},
+    {"shutdown_health", front_shutdown_health, METH_NOARGS,
+     "shutdown_health(): NOT_SERVING for good (later set_serving calls are ignored)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyGetSetDef kFrontGetSet[] = {{"port", front_port, nullptr, "the bound port", nullptr},
                               {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyTypeObject kFrontType = type_of("embedcar_front.Front", sizeof(FrontObject),
-                                  "Front(address, max_message_bytes, handler, served=(), relay=None, unix=None, key_pem=None, "
-                                  "cert_pem=None, client_ca_pem=None): serve gRPC",
+                                  "Front(address, max_message_bytes, handler, served=(), streamed=(), unix=None, key_pem=None, "
+                                  "cert_pem=None, client_ca_pem=None, options=(), memory_bytes=0, max_owed=64): "
+                                  "serve gRPC",
                                   kFrontMethods, front_dealloc, front_init, kFrontGetSet);
 
 // --- the blocking client ------------------------------------------------------------------------
@@ -842,26 +883,7 @@ int channel_init(PyObject* obj, PyObject* args, PyObject*) {
     return -1;
   }
   grpc::ChannelArguments arguments;
-  PyObject* seq = PySequence_Fast(options, "options must be a sequence of (name, value) pairs");
-  if (seq == nullptr) return -1;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-    const char* name = nullptr;
-    PyObject* value = nullptr;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "sO", &name, &value)) {
-      Py_DECREF(seq);
-      return -1;
-    }
-    if (PyLong_Check(value)) {
-      arguments.SetInt(name, static_cast<int>(PyLong_AsLong(value)));
-    } else if (PyUnicode_Check(value)) {
-      arguments.SetString(name, PyUnicode_AsUTF8(value));
-    } else {
-      Py_DECREF(seq);
-      PyErr_Format(PyExc_TypeError, "channel option %s must be an int or a str", name);
-      return -1;
-    }
-  }
-  Py_DECREF(seq);
+  if (!channel_arguments(options, &arguments)) return -1;
   grpc::SslCredentialsOptions tls;
   bool has_root = false, has_key = false, has_cert = false;
   if (!optional_text(root, "root_pem", &tls.pem_root_certs, &has_root) ||
