@@ -63,12 +63,17 @@ _CANCELLED = grpc.StatusCode.CANCELLED.value[0]
 _CALLER_LEFT = "the caller cancelled the call"
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 POLL_STRATEGY = "GRPC_POLL_STRATEGY"
+# Compiler flags added to the front's build: the sanitizer run of its tests sets them (tests/conftest.py;
+# AddressSanitizer + UBSan, with libasan preloaded into that Python). Empty in service.
+BUILD_FLAGS: tuple[str, ...] = ()
+SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+                  "-fno-sanitize-recover=undefined")
 
 
 def unavailable_reason() -> str | None:
     """None when the compiled front builds here (or is built), else why not."""
     try:
-        build_native(SOURCE, "embedcar_front", module=True)
+        build_native(SOURCE, "embedcar_front", module=True, extra_flags=BUILD_FLAGS)
     except Unavailable as exc:
         return exc.message
     return None
@@ -78,7 +83,7 @@ def open_channel(url: str, options: list[tuple[str, int | str]], credentials: Cl
                  lock: threading.Lock | None = None, holding: threading.local | None = None) -> BlockingCall:
     """A blocking channel to `url` on the compiled client (TLS with `credentials`). A call made by a
     thread whose `holding.held` is set lets go of `lock` (the loop's idle lock) while it waits."""
-    module: Any = load_module(SOURCE, "embedcar_front")
+    module: Any = load_module(SOURCE, "embedcar_front", extra_flags=BUILD_FLAGS)
     tls = (credentials.root_ca, credentials.private_key, credentials.cert_chain) if credentials else ()
     channel = module.Channel(url, options, *tls)
     idle = lock if holding is not None else None
@@ -148,7 +153,7 @@ class NativeFront:
         Stream's read-ahead; `unix`: a prepared Unix socket path to listen on too (mode 0600 until the
         caller restricts it); `tls`: serve TCP with it."""
         try:
-            module: Any = load_module(SOURCE, "embedcar_front")
+            module: Any = load_module(SOURCE, "embedcar_front", extra_flags=BUILD_FLAGS)
         except Unavailable as exc:
             raise Unavailable(f"the compiled gRPC front cannot be built here: "
                               f"{exc.message}") from exc
