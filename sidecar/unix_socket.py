@@ -3,6 +3,11 @@
 gRPC listens on the socket file itself; this module prepares the path (folder, stale file from a
 crashed run), restricts who may connect (file mode), and removes the file at shutdown. It also makes
 the private folder of the socket the compiled front relays to (`private_socket_dir`).
+
+Callers hand their API keys to whatever listens on the path, so its folder must be one nobody else can
+change: this user's or root's, and not writable by others unless sticky (a /tmp-like folder is fine:
+the sticky bit stops others from renaming or removing our socket, and a file of theirs already at the
+path is refused or cannot be removed). Modes are set on the socket itself, never through a link.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ from pathlib import Path
 import grpc
 
 from inference.errors import InvalidInput, Unavailable
+from inference.private_paths import folder_problem
 
 log = logging.getLogger(__name__)
 
 PRIVATE_PREFIX = "embedcar-grpc-"  # + the pid of the sidecar that made it, "-", mkdtemp's suffix
 _SUN_PATH_MAX = 107  # bytes of sockaddr_un.sun_path (Linux), less the terminating NUL
 UDS_MODE = 0o660  # owner and group may connect; nobody else
+FOLDER_MODE = 0o755  # a folder we create: the group may reach the socket, nobody else may write
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +65,15 @@ def prepare_unix_socket(path: Path) -> Path:
     if len(bytes(path)) > _SUN_PATH_MAX:
         raise InvalidInput(f"Unix socket path {path} is longer than {_SUN_PATH_MAX} bytes: choose a shorter one")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        for level in reversed((path.parent, *path.parent.parents)):
+            if not level.is_dir():
+                with contextlib.suppress(FileExistsError):
+                    level.mkdir(FOLDER_MODE)  # the umask may take bits off, never add write for others
     except OSError as exc:
         raise InvalidInput(f"cannot create the folder of Unix socket {path}: {exc.strerror}") from exc
+    if (problem := folder_problem(path.parent)) is not None:
+        raise InvalidInput(f"refusing to serve on Unix socket {path}: {problem}, so another user could replace "
+                           "the socket (choose a folder of your own)")
     try:
         st = path.lstat()
     except FileNotFoundError:
@@ -115,9 +128,20 @@ def owner_only_files() -> Iterator[None]:
 
 
 def restrict_unix_socket(path: Path) -> UnixSocket:
-    """The socket file a server has bound at `path`, restricted to owner and group (UDS_MODE)."""
-    st = path.lstat()
-    path.chmod(UDS_MODE)
+    """The socket file a server has bound at `path`, restricted to owner and group (UDS_MODE). The mode is
+    set on the file opened without following a link (Linux has no lchmod): a link put in its place is
+    refused, never followed to whatever it names."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise Unavailable(f"cannot open Unix socket {path}: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise Unavailable(f"refusing to set the mode of {path}: it is no longer a socket (replaced meanwhile)")
+        os.chmod(f"/proc/self/fd/{fd}", UDS_MODE)  # noqa: PTH101  # the opened file itself, not a path lookup
+    finally:
+        os.close(fd)
     return UnixSocket(path, (st.st_dev, st.st_ino))
 
 

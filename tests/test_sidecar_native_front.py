@@ -210,7 +210,7 @@ def test_a_front_that_cannot_build_says_what_it_needs(settings: Settings, onnx_b
                                                        caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(native_build, "_built", {})
     monkeypatch.setattr(native_build, "BUILD_DIR", tmp_path / "build")
-    monkeypatch.setattr("sidecar.native_build.shutil.which", lambda _name: None)  # no compiler
+    monkeypatch.setattr("inference.native_cache.shutil.which", lambda _name: None)  # no compiler
     assert SOURCE.exists()
     with (pytest.raises(Unavailable, match=r"native_grpc_port.*libgrpc\+\+-dev"),
           SidecarThread(front_settings(settings), backend=onnx_backend)):
