@@ -1,18 +1,27 @@
-"""API keys per tenant: stored only as SHA-256 digests, compared in constant time, never logged."""
+"""API keys per tenant: stored only as SHA-256 digests, compared in constant time, never logged.
+
+A key is at least MIN_KEY_CHARS characters (a short one can be guessed online; the `sha256:` form is a
+digest, whose key we never see). A keys file that others may read or write is refused: any local user
+could take a key or add one.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import ipaddress
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
 from inference.errors import InvalidInput, Unauthenticated
+from inference.private_paths import OTHERS_ANY, mode_of
 from sidecar.settings import SidecarSettings
 
 ANONYMOUS = "anonymous"
 _SHA_PREFIX = "sha256:"
+MIN_KEY_CHARS = 16
 
 
 def digest(key: str) -> bytes:
@@ -57,28 +66,40 @@ class KeyRing:
             tenant, sep, key = pair.partition("=")
             if not sep or not tenant.strip() or not key.strip():
                 raise InvalidInput(f"api_keys entry {n + 1} is not tenant=key")
-            digests[tenant.strip()] = _parse_key(key.strip())
+            digests[tenant.strip()] = _parse_key(key.strip(), f"api_keys entry {n + 1} (tenant {tenant.strip()})")
         if s.api_keys_file is not None:
             digests.update(parse_keys_file(s.api_keys_file))
         return cls(digests)
 
 
-def _parse_key(value: str) -> bytes:
+def _parse_key(value: str, where: str) -> bytes:
+    """The digest of a key entry; `where` names the entry in errors (never its value)."""
     if value.startswith(_SHA_PREFIX):
         try:
             raw = bytes.fromhex(value[len(_SHA_PREFIX):])
         except ValueError as exc:
-            raise InvalidInput("a sha256: key entry is not hex") from exc
+            raise InvalidInput(f"{where}: a sha256: key entry is not hex") from exc
         if len(raw) != 32:
-            raise InvalidInput("a sha256: key entry is not 64 hex digits")
+            raise InvalidInput(f"{where}: a sha256: key entry is not 64 hex digits")
         return raw
+    if len(value) < MIN_KEY_CHARS:
+        raise InvalidInput(f"{where}: the key is shorter than {MIN_KEY_CHARS} characters "
+                           "(e.g. `openssl rand -hex 16` makes one)")
     return digest(value)
 
 
 def parse_keys_file(path: Path) -> dict[str, bytes]:
-    """Lines `tenant key` or `tenant sha256:<hex>`; `#` comments and blank lines ignored."""
+    """Lines `tenant key` or `tenant sha256:<hex>`; `#` comments and blank lines ignored. Refused where
+    group or others may read or write it (the mode is checked on the file as opened)."""
     try:
-        lines = path.read_text().splitlines()
+        with path.open() as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidInput(f"API keys file {path} is not a regular file")
+            if st.st_mode & OTHERS_ANY:
+                raise InvalidInput(f"refusing API keys file {path}: group or others may read or write it "
+                                   f"(mode {mode_of(st)}): chmod 600 it (a mounted secret: defaultMode 0400)")
+            lines = f.read().splitlines()
     except OSError as exc:
         raise InvalidInput(f"cannot read API keys file {path}: {exc.strerror}") from exc
     out: dict[str, bytes] = {}
@@ -90,7 +111,7 @@ def parse_keys_file(path: Path) -> dict[str, bytes]:
         if len(parts) != 2:
             # Say which line, never what it holds: it may be a key.
             raise InvalidInput(f"{path}:{n}: expected `tenant key`")
-        out[parts[0]] = _parse_key(parts[1])
+        out[parts[0]] = _parse_key(parts[1], f"{path}:{n} (tenant {parts[0]})")
     return out
 
 

@@ -62,7 +62,8 @@ def test_every_surface_needs_the_key_and_none_is_logged(keyed: tuple[Sidecar, st
 
 def test_key_ring_compares_against_every_entry(monkeypatch: pytest.MonkeyPatch) -> None:
     """No early exit: the first key, the last key and a wrong key cost the same comparisons."""
-    ring = KeyRing.from_settings(SidecarSettings(api_keys="a=key-one,b=key-two,c=key-three"))
+    keys = "a=key-one-0123456789,b=key-two-0123456789,c=key-three-0123456789"
+    ring = KeyRing.from_settings(SidecarSettings(api_keys=keys))
     calls: list[int] = []
     real = hmac.compare_digest
 
@@ -71,7 +72,8 @@ def test_key_ring_compares_against_every_entry(monkeypatch: pytest.MonkeyPatch) 
         return real(a, b)
 
     monkeypatch.setattr(hmac, "compare_digest", counting)
-    for key, tenant in (("key-one", "a"), ("key-three", "c"), ("nope", None), ("\ud800", None)):
+    for key, tenant in (("key-one-0123456789", "a"), ("key-three-0123456789", "c"), ("nope", None),
+                        ("\ud800", None)):
         calls.clear()
         if tenant is None:
             with pytest.raises(Unauthenticated, match="wrong API key"):

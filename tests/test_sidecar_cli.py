@@ -48,11 +48,11 @@ def test_serve_until_sigterm(settings: Settings, tmp_path: Path) -> None:
         proc = subprocess.Popen(
             [sys.executable, "-m", "inference.cli_main", "sidecar", "serve", "--grpc-port", str(port),
              "--http-port", "-1", "--models-dir", str(settings.model.models_dir), "--threads", "1"],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={"EMBEDCAR_SIDECAR_API_KEYS": "t=serve-key-123",
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={"EMBEDCAR_SIDECAR_API_KEYS": "t=serve-key-0123456789",
                                                                  "PATH": "/usr/bin:/bin"})
         try:
             wait_serving(f"127.0.0.1:{port}", proc, timeout_s=120)
-            with Client(f"127.0.0.1:{port}", api_key="serve-key-123") as c:
+            with Client(f"127.0.0.1:{port}", api_key="serve-key-0123456789") as c:
                 assert c.embed(["served"]).embeddings.shape == (1, 384)
             # Every thread (the model's and gRPC's, started after the slice was set) asks for 0.1 ms,
             # where the kernel keeps custom slices (sidecar/cpu_slice.py; the log says which).
@@ -75,7 +75,7 @@ def test_serve_until_sigterm(settings: Settings, tmp_path: Path) -> None:
     text = log.read_text()
     assert "sidecar ready" in text
     assert "heap settled" in text  # its own process: the startup heap frozen out of full collections
-    assert "serve-key-123" not in text  # settings are logged with secrets redacted
+    assert "serve-key-0123456789" not in text  # settings are logged with secrets redacted
 
 
 def test_cache_warm_up_from_file(settings: Settings, probe_backend: ProbeBackend, tmp_path: Path) -> None:

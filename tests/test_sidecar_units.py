@@ -46,18 +46,20 @@ def test_committed_generated_code_matches_the_proto() -> None:
 
 # --- auth -------------------------------------------------------------------------------------
 def test_keys_from_settings_and_file(tmp_path: Path) -> None:
-    hashed = hashlib.sha256(b"k-file-2").hexdigest()
+    hashed = hashlib.sha256(b"k-file-2-0123456789").hexdigest()
     f = tmp_path / "keys"
-    f.write_text(f"# tenants\nshop-c k-file-1\nshop-d sha256:{hashed}\n\n")
-    ring = KeyRing.from_settings(SidecarSettings(api_keys="shop-a=ka, shop-b=kb", api_keys_file=f))
-    assert ring.tenant_for("ka") == "shop-a"
-    assert ring.tenant_for("kb") == "shop-b"
-    assert ring.tenant_for("k-file-1") == "shop-c"
-    assert ring.tenant_for("k-file-2") == "shop-d"
-    for bad in (None, "", "kc", "ka "):
+    f.write_text(f"# tenants\nshop-c k-file-1-0123456789\nshop-d sha256:{hashed}\n\n")
+    f.chmod(0o600)
+    ring = KeyRing.from_settings(SidecarSettings(api_keys="shop-a=ka-0123456789abcdef, shop-b=kb-0123456789abcdef",
+                                                 api_keys_file=f))
+    assert ring.tenant_for("ka-0123456789abcdef") == "shop-a"
+    assert ring.tenant_for("kb-0123456789abcdef") == "shop-b"
+    assert ring.tenant_for("k-file-1-0123456789") == "shop-c"
+    assert ring.tenant_for("k-file-2-0123456789") == "shop-d"
+    for bad in (None, "", "kc", "ka-0123456789abcdef "):
         with pytest.raises(Unauthenticated):
             ring.tenant_for(bad)
-    assert "ka" not in repr(ring)
+    assert "ka-0123456789abcdef" not in repr(ring)
 
 
 def test_no_keys_means_anonymous_and_loopback_only() -> None:
@@ -68,12 +70,13 @@ def test_no_keys_means_anonymous_and_loopback_only() -> None:
     check_bind("::1", ring)
     with pytest.raises(InvalidInput, match="without API keys"):
         check_bind("0.0.0.0", ring)
-    check_bind("0.0.0.0", KeyRing.from_settings(SidecarSettings(api_keys="a=b")))
+    check_bind("0.0.0.0", KeyRing.from_settings(SidecarSettings(api_keys="a=b-0123456789abcdef")))
 
 
 def test_bad_keys_file_names_line_not_content(tmp_path: Path) -> None:
     f = tmp_path / "keys"
     f.write_text("only-one-field-secretvalue\n")
+    f.chmod(0o600)
     with pytest.raises(InvalidInput) as err:
         parse_keys_file(f)
     assert "secretvalue" not in err.value.message
