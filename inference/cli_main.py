@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from collections.abc import Callable, Iterable
 from importlib.metadata import entry_points
 from typing import Any
@@ -84,12 +85,44 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.verbose)
     try:
         rc = args.func(args)
-    except EmbedcarError as exc:
-        print(f"embedcar: {exc.message}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # every command's errors end here: one line, the traceback only with -v
+        return report(exc, verbose=args.verbose)
     return int(rc or 0)
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    """A task group's first error (asyncio wraps what a command's tasks raise)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _one_line(text: str) -> str:
+    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def report(exc: Exception, *, verbose: bool) -> int:
+    """Print `exc` as one `embedcar: ...` line on stderr; the exit status. Our errors (2), the operating
+    system's (a file, a socket: 1) and a value a library refused (1) are the user's to fix; anything else
+    is a bug (70, EX_SOFTWARE), named as one. With -v the traceback is printed too."""
+    leaf = _first_leaf(exc)
+    if verbose:
+        traceback.print_exception(exc)
+    if isinstance(leaf, EmbedcarError):
+        print(f"embedcar: {_one_line(leaf.message)}", file=sys.stderr)
+        return 2
+    if isinstance(leaf, OSError):
+        where = f": {leaf.filename}" if leaf.filename else ""
+        print(f"embedcar: {_one_line(leaf.strerror or str(leaf))}{where}", file=sys.stderr)
+        return 1
+    hint = "" if verbose else " (run `embedcar -v ...` for its traceback)"
+    if isinstance(leaf, ValueError):  # mostly a value the user gave that a library refused
+        print(f"embedcar: {_one_line(str(leaf))} ({type(leaf).__name__}){hint}", file=sys.stderr)
+        return 1
+    print(f"embedcar: internal error, a bug: {type(leaf).__name__}: {_one_line(str(leaf))}{hint}", file=sys.stderr)
+    return 70
 
 
 if __name__ == "__main__":

@@ -229,11 +229,34 @@ def st_embeddings(src_dir: Path, texts: Sequence[str], prompt: str) -> npt.NDArr
         from sentence_transformers import SentenceTransformer
     except ImportError:
         return None
-    model = SentenceTransformer(str(src_dir), device="cpu", local_files_only=True)
-    # prompt="" (not None): no prompt, not the model's default one
-    out = model.encode(list(texts), prompt=prompt, convert_to_numpy=True, batch_size=len(texts),
-                       show_progress_bar=False)
+    try:
+        model = SentenceTransformer(str(src_dir), device="cpu", local_files_only=True)
+        for module in model:
+            _drop_unused_inputs(src_dir, module)
+        # prompt="" (not None): no prompt, not the model's default one
+        out = model.encode(list(texts), prompt=prompt, convert_to_numpy=True, batch_size=len(texts),
+                           show_progress_bar=False)
+    except Exception as exc:  # the library's own errors, untyped: the folder is what it cannot use
+        raise ModelError(f"{src_dir}: sentence-transformers cannot embed with this folder "
+                         f"({type(exc).__name__}: {exc})") from exc
     return np.asarray(out, dtype=np.float32)
+
+
+def _drop_unused_inputs(src_dir: Path, module: Any) -> None:
+    """What the export does, for sentence-transformers' reference too: a tokenizer whose config lists inputs
+    the model's forward does not take (ModernBERT with token_type_ids) has them dropped, with a warning;
+    sentence-transformers would pass them on and fail inside the model."""
+    import inspect
+
+    auto, tok = getattr(module, "auto_model", None), getattr(module, "tokenizer", None)
+    if auto is None or tok is None:
+        return
+    takes = inspect.signature(auto.forward).parameters
+    dropped = [n for n in tok.model_input_names if n not in takes]
+    if dropped:
+        log.warning("%s: tokenizer_config.json model_input_names lists %s, which %s.forward does not take: "
+                    "dropped (as the export does)", src_dir, ", ".join(dropped), type(auto).__name__)
+        tok.model_input_names = [n for n in tok.model_input_names if n in takes]
 
 
 def adopt_onnx(src: Path, out: Path, tokenizer_file: Path) -> tuple[Path, tuple[str, ...], int]:
