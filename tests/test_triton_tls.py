@@ -332,6 +332,31 @@ async def test_no_key_material_in_any_log(hs: Settings, server: TritonServer, po
             assert s not in text, f"key material in the {where}"
 
 
+def test_the_keys_are_on_no_command_line(server: TritonServer, pool: PoolFiles) -> None:
+    """`ps` shows every local user each process's arguments: tritonserver's show placeholders (the keys
+    reach it through a preloaded shim, inference/triton/argv_secrets.py), and the backend processes it
+    started hold the keys neither in their arguments nor in their environment."""
+    key, op = _keys(pool)
+    assert server.pid is not None
+    group = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid(int(p.name)) == server.pid]
+    assert server.pid in group and len(group) > 1, "tritonserver and its Python-backend stubs"
+    for pid in group:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert key.encode() not in cmdline and op.encode() not in cmdline, f"a key on the command line of {pid}"
+        if pid != server.pid:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            assert key.encode() not in environ and b"argv_secrets" not in environ
+    assert b"--grpc-restricted-protocol=" in Path(f"/proc/{server.pid}/cmdline").read_bytes()
+    _still_serving(server)  # and the keys work: test_every_group_needs_its_key
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
 async def test_sidecar_key_in_wrong_file_is_a_startup_error(hs: Settings, server: TritonServer,
                                                             tmp_path: Path) -> None:
     wrong = tmp_path / "wrong_key.txt"

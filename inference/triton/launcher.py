@@ -14,8 +14,10 @@ is a bind failure, retried on fresh ports when the ports were chosen here, named
 
 `triton.profile=hardened` (a host other machines reach) adds inference/triton/tls.py's flags: gRPC over
 TLS, API groups behind header keys, HTTP on loopback, model control off; the launcher's own readiness
-and warm-up calls then use TLS and the key like any client. The command line holds the keys: it is
-passed to the process and never logged.
+and warm-up calls then use TLS and the key like any client. tritonserver takes those keys as arguments
+only: they reach it through the environment and a preloaded shim (inference/triton/argv_secrets.py),
+so its command line (`ps`) shows placeholders; where the shim cannot be built they go on the command
+line, with a warning saying why. Never logged.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from inference.errors import ModelError, Unavailable
 from inference.grpc_io import for_other_grpc
 from inference.manifest import Manifest, load_manifest
 from inference.settings import Settings
+from inference.triton import argv_secrets
 from inference.triton.repository import RepoModel, generate_models, stub_sys_path
 from inference.triton.tls import ServerFlags, hardened, read_key, server_flags
 
@@ -431,7 +434,14 @@ class TritonServer:
         self._log = self.log_file.open("ab")
         self._log_offset = self._log.tell()
         log.info("starting tritonserver on %s (log %s)", self.grpc_url, self.log_file)
-        self._proc = subprocess.Popen(self.command(), env=self._env(), stdout=self._log, stderr=subprocess.STDOUT,
+        cmd, env = self.command(), self._env()
+        if self._flags is not None:
+            try:
+                cmd, env = argv_secrets.hide(cmd, self._flags.secrets, env)
+            except Unavailable as exc:
+                log.warning("tritonserver's API keys go on its command line, where local users can read them "
+                            "(ps): %s", exc.message)
+        self._proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True)
 
     def _describe_port(self, kind: str) -> str:
