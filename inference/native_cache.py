@@ -49,7 +49,7 @@ def flag_tag(extra_flags: Sequence[str]) -> str:
     """A readable part of a build's name for its extra flags ("-fsanitize=address" → "-fsanitize-address"),
     so a sanitizer build is told apart at a glance; the key digest is what makes names unique."""
     words = (re.sub(r"[^A-Za-z0-9]+", "-", f).strip("-") for f in extra_flags)
-    tag = "_".join(w for w in words if w)[:48]
+    tag = "_".join(w for w in words if w)[:64]
     return f"-{tag}" if tag else ""
 
 
