@@ -8,8 +8,8 @@ caller sees. Python still does everything but the sending: it builds the schedul
 serialized requests, reads the records back and summarizes them exactly as for the Python client
 (`loadtest.runner`).
 
-Built on first use into `var/native/` (sidecar/native_build.py) (g++ and gRPC's C++ library: Debian's `libgrpc++-dev`,
-which `make test` installs when it can); `native_unavailable_reason()` says why it cannot be.
+Built on first use into the private per-user cache, `~/.cache/embedcar/native/` (sidecar/native_build.py;
+g++ and gRPC's C++ library: Debian's `libgrpc++-dev`, which `make test` installs when it can); `native_unavailable_reason()` says why it cannot be.
 Targets: `sidecar-embed`, `sidecar-stream`, `sidecar-search` with the `+native` suffix.
 """
 

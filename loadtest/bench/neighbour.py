@@ -32,9 +32,9 @@ shell's EMBEDCAR_* variables do not leak into them):
   aio                 + sidecar.grpc_server=aio: grpc.aio serves the main port (the default before the
                       compiled front took it, sidecar/native_front.py)
   stream              the defaults, each query a message on one open `Stream` call (how a search node
-                      that keeps a stream open calls) instead of a unary Embed call: relayed by the
-                      compiled front to the grpc.aio server behind it
-  stream-aio          the same on a grpc.aio main port (sidecar.grpc_server=aio): no relay
+                      that keeps a stream open calls) instead of a unary Embed call, served by
+                      the compiled front
+  stream-aio          the same on a grpc.aio main port (sidecar.grpc_server=aio)
   front               a grpc.aio main port and the compiled front on a port of its own
                       (sidecar.native_grpc_port), the unary calls sent there
   system-malloc       + sidecar.allocator=system: the C library's malloc instead of mimalloc
