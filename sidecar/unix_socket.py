@@ -1,8 +1,7 @@
 """The sidecar's Unix-socket endpoint: callers on the same host skip the TCP stack.
 
 gRPC listens on the socket file itself; this module prepares the path (folder, stale file from a
-crashed run), restricts who may connect (file mode), and removes the file at shutdown. It also makes
-the private folder of the socket the compiled front relays to (`private_socket_dir`).
+crashed run), restricts who may connect (file mode), and removes the file at shutdown.
 
 Callers hand their API keys to whatever listens on the path, so its folder must be one nobody else can
 change: this user's or root's, and not writable by others unless sticky (a /tmp-like folder is fine:
@@ -15,10 +14,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import socket
 import stat
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +27,6 @@ from inference.private_paths import folder_problem
 
 log = logging.getLogger(__name__)
 
-PRIVATE_PREFIX = "embedcar-grpc-"  # + the pid of the sidecar that made it, "-", mkdtemp's suffix
 _SUN_PATH_MAX = 107  # bytes of sockaddr_un.sun_path (Linux), less the terminating NUL
 UDS_MODE = 0o660  # owner and group may connect; nobody else
 FOLDER_MODE = 0o755  # a folder we create: the group may reach the socket, nobody else may write
@@ -145,27 +141,3 @@ def restrict_unix_socket(path: Path) -> UnixSocket:
     return UnixSocket(path, (st.st_dev, st.st_ino))
 
 
-def private_socket_dir(base: Path | None = None) -> Path:
-    """A new folder only this user may enter (0700), for a socket only this process serves. Folders of
-    this user's sidecars that are gone (killed before their clean stop removed them) are removed first."""
-    base = Path(base or tempfile.gettempdir())
-    uid = os.getuid()
-    for old in base.glob(f"{PRIVATE_PREFIX}*-*"):
-        pid = old.name[len(PRIVATE_PREFIX):].partition("-")[0]
-        with contextlib.suppress(OSError, ValueError):
-            st = old.lstat()
-            if st.st_uid != uid or not stat.S_ISDIR(st.st_mode) or _alive(int(pid)):
-                continue
-            shutil.rmtree(old)
-            log.info("removed %s, left by sidecar process %s", old, pid)
-    return Path(tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-", dir=base))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's process
-    return True

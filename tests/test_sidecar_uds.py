@@ -6,10 +6,8 @@ Real sidecars (the session's ORT backend, no HTTP facade) and real gRPC over a r
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import stat
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +21,6 @@ from inference.backends.onnx import OnnxBackend
 from inference.errors import InvalidInput, Unauthenticated, Unavailable
 from sidecar.app import SidecarThread
 from sidecar.client import AsyncClient, Client
-from sidecar.unix_socket import PRIVATE_PREFIX, private_socket_dir
 from tests.fixtures_sidecar import sidecar_settings
 from tests.test_sidecar_reliability import health
 
@@ -115,20 +112,3 @@ def test_regular_file_at_the_path_is_refused(settings: Settings, onnx_backend: O
             SidecarThread(uds_settings(settings, sock), backend=onnx_backend):
         pass
     assert sock.read_text() == "not a socket\n", "the file is left alone"
-
-
-def test_private_socket_folders_of_gone_sidecars_are_removed(tmp_path: Path) -> None:
-    gone = subprocess.Popen(["true"])
-    gone.wait()  # its pid names a process that no longer runs
-    left = tmp_path / f"{PRIVATE_PREFIX}{gone.pid}-x1"
-    left.mkdir()
-    (left / "aio.sock").write_bytes(b"")
-    running = tmp_path / f"{PRIVATE_PREFIX}{os.getpid()}-x2"  # a live process's: kept
-    running.mkdir()
-    other = tmp_path / "embedcar-other"
-    other.mkdir()
-    made = private_socket_dir(tmp_path)
-    assert made.name.startswith(f"{PRIVATE_PREFIX}{os.getpid()}-")
-    assert stat.S_IMODE(made.stat().st_mode) == 0o700
-    assert not left.exists()
-    assert running.is_dir() and other.is_dir()
