@@ -49,6 +49,10 @@ class PayloadTooLarge(InvalidInput):
     """A request body over the configured size (the HTTP facade's check; gRPC refuses one itself)."""
 
 
+class RequestTimeout(InvalidInput):
+    """A request's body did not arrive within the HTTP facade's body timeout (HTTP 408)."""
+
+
 class Unauthenticated(EmbedcarError):
     """Missing or wrong API key."""
 
@@ -94,6 +98,7 @@ ERROR_CODES: dict[type[EmbedcarError], ErrorCode] = {
     Internal: ErrorCode("INTERNAL", 500, "internal"),
     InvalidInput: ErrorCode("INVALID_ARGUMENT", 400, "invalid_argument"),
     PayloadTooLarge: ErrorCode("INVALID_ARGUMENT", 413, "invalid_argument"),
+    RequestTimeout: ErrorCode("INVALID_ARGUMENT", 408, "request_timeout"),
     Unauthenticated: ErrorCode("UNAUTHENTICATED", 401, "unauthenticated"),
     Overloaded: ErrorCode("RESOURCE_EXHAUSTED", 429, "resource_exhausted"),
     Shed: ErrorCode("CANCELLED", 429, "shed"),

@@ -43,7 +43,7 @@ from sidecar.scheduler import BackendHealth, FallbackScheduler
 from sidecar.search_index import IndexHolder
 from sidecar.service import EmbedService
 from sidecar.settings import Settings
-from sidecar.shedding import Gate
+from sidecar.shedding import FRONT_SHARE, Gate
 from sidecar.tls import server_tls
 from sidecar.unix_socket import UnixSocket, prepare_unix_socket, restrict_unix_socket
 
@@ -84,7 +84,9 @@ class Sidecar:
                                     metrics=self.metrics, default_deadline_s=s.default_deadline_ms / 1e3,
                                     max_k=s.max_k)
         in_flight = s.max_in_flight or (s.max_pending_batches + 1) * s.max_rows_per_pass
-        self.gate = Gate(lambda: self.models.default.admission, self.metrics, in_flight)
+        # One in-flight cap, each front at most FRONT_SHARE of it (sidecar.shedding): gRPC's and HTTP's.
+        self.gate = Gate(lambda: self.models.default.admission, self.metrics, in_flight, share=FRONT_SHARE)
+        self.http_gate = self.gate.front(FRONT_SHARE)
         self.grpc_port = 0
         self.native_grpc_port: int | None = None  # the compiled front's, when sidecar.native_grpc_port >= 0
         self._front: NativeFront | None = None
@@ -301,14 +303,20 @@ class Sidecar:
         import uvicorn
 
         from sidecar.http_api import create_app
-        from sidecar.http_protocol import UpgradeTolerantHttp
+        from sidecar.http_protocol import HttpLimits, UpgradeTolerantHttp
 
+        s = self.settings.sidecar
         app = create_app(self.service, self.metrics, max_body_bytes=max_bytes, serving=lambda: self.serving,
-                         gate=self.gate)
+                         gate=self.http_gate, body_timeout_s=s.http_body_timeout_s)
         sock = listen_tcp(host, port)
         self.http_port = int(sock.getsockname()[1])
-        config = uvicorn.Config(app, http=UpgradeTolerantHttp, log_level="warning", access_log=False, lifespan="off",
-                                limit_concurrency=None, timeout_graceful_shutdown=int(self.settings.sidecar.grace_s),
+        limits = HttpLimits(header_timeout_s=s.http_header_timeout_s, max_connections=s.http_max_connections)
+        # Connections are limited (and refused past it) by the protocol, not uvicorn's limit_concurrency,
+        # which would accept them all and answer 503 only once a request came.
+        config = uvicorn.Config(app, http=UpgradeTolerantHttp.guarded(limits), log_level="warning", access_log=False,
+                                lifespan="off", limit_concurrency=None, timeout_keep_alive=5,
+                                h11_max_incomplete_event_size=limits.max_head_bytes,
+                                timeout_graceful_shutdown=int(s.grace_s),
                                 **(self.tls.uvicorn_options() if self.tls is not None else {}))
         self._http = uvicorn.Server(config)
         self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]), name="http")

@@ -6,7 +6,9 @@ an unknown one is 404 listing the served ones. `dimensions` truncates each vecto
 values and L2-normalises it again (Matryoshka-style), refused above the model's dimension.
 
 Bodies are read and checked by hand (size cap, UTF-8, JSON types and depth, unknown fields) so every
-bad request gets a 4xx with a message that says what was wrong.
+bad request gets a 4xx with a message that says what was wrong. A POST's key is checked from its headers
+and its body read whole, within a timeout, by `HttpGate` (sidecar.shedding) before it is routed: a
+caller without a key never has its body read, nor one slow to send it a place among those in progress.
 
 With API keys set, /v1/embeddings, /v1/search and /metrics need one (`Authorization: Bearer <key>` or
 `x-api-key`; Prometheus sends the former with `authorization: {credentials: ...}`): the metrics name
@@ -26,15 +28,15 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.requests import ClientDisconnect
+from starlette.datastructures import Headers
 
 from catalog.fusion import SearchMode, parse_mode
-from inference.errors import EmbedcarError, Internal, InvalidInput, PayloadTooLarge, Unauthenticated
+from inference.errors import EmbedcarError, Internal, InvalidInput, Unauthenticated
 from inference.pooling import l2_normalize
 from sidecar.errors import http_status
 from sidecar.metrics import Metrics
 from sidecar.service import EmbedService
-from sidecar.shedding import Gate, HttpGate
+from sidecar.shedding import Gate, HttpGate, Scope
 
 log = logging.getLogger(__name__)
 
@@ -59,21 +61,6 @@ def error_parts(exc: EmbedcarError) -> tuple[int, dict[str, str], bytes]:
 def _error(exc: EmbedcarError) -> Response:
     status, headers, body = error_parts(exc)
     return Response(body, status_code=status, headers=headers)
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    # isascii: str.isdigit() is also true of "²", which int() refuses.
-    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes is over the limit of {limit}")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,33 +168,50 @@ def parse_search_request(body: bytes) -> SearchBody:
     return SearchBody(texts, k, filters[0], filters[1], parse_mode(mode), _model_field(doc))
 
 
-def _api_key(request: Request) -> str | None:
-    key = request.headers.get("x-api-key")
+def _api_key(headers: Headers) -> str | None:
+    key = headers.get("x-api-key")
     if key:
         return key
-    auth = request.headers.get("authorization", "")
+    auth = headers.get("authorization", "")
     return auth[7:].strip() if auth[:7].lower() == "bearer " else None
 
 
-def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
-               serving: Callable[[], bool], gate: Gate | None = None) -> FastAPI:
-    """`gate`: refuse POSTs at once under overload (sidecar.shedding), before routing and the body."""
+_RPC = {"/v1/embeddings": "http_embed", "/v1/search": "http_search"}  # metric label of a POST route
+
+
+def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int, serving: Callable[[], bool],
+               gate: Gate | None = None, body_timeout_s: float = 10.0) -> FastAPI:
+    """`gate`: refuse POSTs at once under overload (sidecar.shedding), before routing and the body, and
+    count them in flight once their body has arrived."""
     app = FastAPI(title="embedcar sidecar", docs_url=None, redoc_url=None, openapi_url=None)
-    if gate is not None:
-        app.add_middleware(HttpGate, gate=gate, error=error_parts)
+
+    def check(scope: Scope) -> EmbedcarError | None:
+        try:
+            service.keys.tenant_for(_api_key(Headers(scope=scope)))
+        except Unauthenticated as exc:
+            metrics.rejections.labels("unauthenticated").inc()
+            return exc
+        return None
+
+    def refused(scope: Scope, exc: EmbedcarError) -> tuple[int, dict[str, str], bytes]:
+        rpc = _RPC.get(scope.get("path", ""))
+        if rpc is not None:
+            metrics.requests.labels(rpc, exc.code).inc()
+        return error_parts(exc)
+
+    app.add_middleware(HttpGate, gate=gate, check=check, max_body_bytes=max_body_bytes,
+                       body_timeout_s=body_timeout_s, error=refused)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         try:
-            body = parse_embeddings_request(await _read_body(request, max_body_bytes))
-            out = await service.embed(body.texts, model=body.model, api_key=_api_key(request))
+            body = parse_embeddings_request(await request.body())
+            out = await service.embed(body.texts, model=body.model, api_key=_api_key(request.headers))
             emb = truncate_dimensions(out.embeddings, body.dimensions,
                                       normalize=service.models.get(body.model).manifest.normalize)
         except EmbedcarError as exc:
             metrics.requests.labels("http_embed", exc.code).inc()
             return _error(exc)
-        except ClientDisconnect:  # gone before its body arrived: nobody to answer
-            return Response(status_code=400)
         except Exception as exc:  # a bug: a JSON 500 like gRPC's INTERNAL, and logged, not a crash
             log.exception("POST /v1/embeddings failed")
             metrics.requests.labels("http_embed", Internal.code).inc()
@@ -227,14 +231,12 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
     @app.post("/v1/search")
     async def search(request: Request) -> Response:
         try:
-            q = parse_search_request(await _read_body(request, max_body_bytes))
+            q = parse_search_request(await request.body())
             out = await service.search(q.texts, k=q.k, department=q.department, aisle=q.aisle, mode=q.mode,
-                                       model=q.model, api_key=_api_key(request))
+                                       model=q.model, api_key=_api_key(request.headers))
         except EmbedcarError as exc:
             metrics.requests.labels("http_search", exc.code).inc()
             return _error(exc)
-        except ClientDisconnect:
-            return Response(status_code=400)
         except Exception as exc:
             log.exception("POST /v1/search failed")
             metrics.requests.labels("http_search", Internal.code).inc()
@@ -251,7 +253,7 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
     async def models(request: Request) -> Response:
         """The served models, OpenAI's list shape: `id` is what a request's `model` may name."""
         try:
-            service.keys.tenant_for(_api_key(request))
+            service.keys.tenant_for(_api_key(request.headers))
         except Unauthenticated as exc:
             return _error(exc)
         data = [{"id": m.name, "object": "model", "owned_by": "embedcar", "version": m.version_id,
@@ -268,7 +270,7 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int,
     async def prometheus(request: Request) -> Response:
         # Keys only (no rate limit): a scrape must not eat a tenant's budget.
         try:
-            service.keys.tenant_for(_api_key(request))
+            service.keys.tenant_for(_api_key(request.headers))
         except Unauthenticated as exc:
             return _error(exc)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

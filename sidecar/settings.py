@@ -43,6 +43,16 @@ class SidecarSettings:
         1024, "HTTP connections open at once: past it a new one closes the connection that has waited longest "
         "without a request in progress (idle keep-alive, or a header block still coming), else it is answered "
         "503 and closed, never queued.")
+    http_header_timeout_s: float = setting(
+        10.0, "HTTP: a request's header block must be complete this long after the connection opened or its "
+        "first byte came (408, the connection closed). Idle keep-alive connections close after 5 s (uvicorn).")
+    http_body_timeout_s: float = setting(
+        10.0, "HTTP: a POST's body must be complete this long after its headers (408, the connection closed); "
+        "only a caller whose key passed waits for its body, and it holds no in-flight place meanwhile.")
+    http_max_connections: int = setting(
+        1024, "HTTP connections open at once: past it a new one closes the connection that has waited longest "
+        "without a request in progress (idle keep-alive, or a header block still coming), else it is answered "
+        "503 and closed, never queued.")
     models: tuple[str, ...] = setting(
         (), "Models this sidecar serves (prepared directories under model.models_dir), the first the default; "
         "a request names one with its `model` field (gRPC) or body (HTTP). Empty = model.name alone."
@@ -103,9 +113,10 @@ class SidecarSettings:
         "0 = gRPC's defaults (1000 / 3000), and no bound on the front.",
     )
     max_in_flight: int = setting(
-        0, "HTTP requests and Stream messages in progress at once: beyond this many a new one is refused "
-        "at once (HTTP 429 + Retry-After before routing or reading the body; a Stream message's error reply "
-        "before decoding it). 0 = the admission queue's own size, (max_pending_batches + 1) x max_rows_per_pass."
+        0, "HTTP requests (once their body has arrived) and Stream messages in progress at once, each front at "
+        "most 3/4 of it (neither can starve the other): beyond it a new one is refused at once (HTTP 429 + "
+        "Retry-After; a Stream message's error reply before decoding it; a gRPC unary call while it is full). "
+        "0 = the admission queue's own size, (max_pending_batches + 1) x max_rows_per_pass."
     )
     default_deadline_ms: int = setting(1000, "Deadline for requests that carry none.")
     warm_queries_file: Path | None = setting(None, "Optional file of top queries to pre-load the cache.",

@@ -1,0 +1,315 @@
+"""Hostile HTTP/1.1 clients against a real sidecar with API keys (raw sockets): idle requests, headers
+sent byte by byte, bodies that never come, keyless bodies, connection floods. After each, a keyed call
+is answered (sidecar.http_protocol, sidecar.shedding.HttpGate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import select
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from demo_ui.settings import Settings
+from inference.backends.onnx import OnnxBackend
+from sidecar import http_protocol
+from sidecar.admission import Admission
+from sidecar.app import Sidecar, SidecarThread
+from sidecar.client import Client
+from sidecar.metrics import Metrics
+from sidecar.shedding import FRONT_SHARE, Gate
+from tests.fixtures_sidecar import ProbeBackend, sidecar_settings, until
+
+KEY = "sk-hostile-http-" + "ef56" * 8
+BODY = b'{"input": "oat milk barista"}'
+
+
+def _post_head(length: int, *, key: str | None = KEY, extra: bytes = b"") -> bytes:
+    auth = b"" if key is None else b"Authorization: Bearer " + key.encode() + b"\r\n"
+    return (b"POST /v1/embeddings HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n" + auth
+            + extra + b"Content-Length: " + str(length).encode() + b"\r\n\r\n")
+
+
+def _connect(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def _response(s: socket.socket, timeout_s: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+    """One response read off `s` (status, headers, body); status 0 if the connection closed first."""
+    s.settimeout(timeout_s)
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                return 0, {}, data
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        while len(body) < int(headers.get("content-length", "0")):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+    except ConnectionResetError:
+        return 0, {}, data
+    return int(lines[0].split()[1]), headers, body
+
+
+def _closed(s: socket.socket, timeout_s: float = 30.0) -> bool:
+    """The server closed `s` (EOF or reset) within `timeout_s`, nothing else sent."""
+    s.settimeout(timeout_s)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def _wait_closed(socks: list[socket.socket], want: int, timeout_s: float = 30.0) -> list[socket.socket]:
+    """Those of `socks` the server has closed, once `want` of them are (or `timeout_s` passed)."""
+    closed: list[socket.socket] = []
+    deadline = time.monotonic() + timeout_s
+    while len(closed) < want and time.monotonic() < deadline:
+        readable, _, _ = select.select([s for s in socks if s not in closed], [], [], 0.1)
+        closed += [s for s in readable if _closed(s, 1.0)]
+    return closed
+
+
+def _keyed_calls_answer(sc: Sidecar) -> None:
+    with Client(sc.grpc_target, api_key=KEY) as c:
+        assert c.embed(["keyed grpc call"], timeout_s=30).embeddings.shape[0] == 1
+    r = httpx.post(f"http://127.0.0.1:{sc.http_port}/v1/embeddings", json={"input": "keyed http call"},
+                   headers={"authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def keyed(settings: Settings, model_dir: object) -> Iterator[Sidecar]:
+    """API keys on, timeouts long enough that nothing here times out by accident."""
+    s = sidecar_settings(settings, api_keys=f"shop={KEY}", http_header_timeout_s=60.0, http_body_timeout_s=60.0)
+    with SidecarThread(s) as sc:
+        yield sc
+
+
+@pytest.fixture(scope="module")
+def impatient(settings: Settings, model_dir: object) -> Iterator[Sidecar]:
+    s = sidecar_settings(settings, api_keys=f"shop={KEY}", http_header_timeout_s=0.5, http_body_timeout_s=0.5)
+    with SidecarThread(s) as sc:
+        yield sc
+
+
+def test_idle_posts_hold_no_place_and_lock_nobody_out(keyed: Sidecar) -> None:
+    """110 keyless header-only POSTs are answered 401 at once; 110 keyed ones whose bodies never come
+    wait for them outside the in-flight count; keyed gRPC and HTTP calls are answered meanwhile."""
+    assert keyed.http_port is not None
+    n = 110
+    keyless = [_connect(keyed.http_port) for _ in range(n)]
+    for s in keyless:
+        s.sendall(_post_head(100, key=None))
+    keyed_idle = [_connect(keyed.http_port) for _ in range(n)]
+    try:
+        for s in keyed_idle:
+            s.sendall(_post_head(100))
+        for s in keyless:
+            status, headers, _ = _response(s)
+            assert status == 401 and headers.get("connection") == "close"
+            assert _closed(s)
+        assert keyed.http_gate.in_flight == 0 and keyed.gate.in_flight == 0
+        _keyed_calls_answer(keyed)
+        for s in keyed_idle[:5]:  # still waiting for their bodies, and served once they come
+            s.sendall(b'{"input": "late"}'.ljust(100))
+            status, _, body = _response(s)
+            assert status == 200 and json.loads(body)["data"][0]["index"] == 0
+    finally:
+        for s in keyless + keyed_idle:
+            s.close()
+
+
+class _CountingSearch:
+    """`http_protocol._HEAD_END` with the bytes each search scans counted."""
+
+    def __init__(self, pattern: re.Pattern[bytes]) -> None:
+        self.pattern = pattern
+        self.scanned = 0
+        self.searches = 0
+
+    def search(self, data: bytearray, pos: int = 0) -> Any:
+        self.searches += 1
+        self.scanned += len(data) - pos
+        return self.pattern.search(data, pos)
+
+
+def test_header_parsing_is_linear_in_the_bytes_received(keyed: Sidecar, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 30 KB header sent byte by byte, on a fresh connection and again on the same one (keep-alive):
+    each byte is scanned for the end of the header block once (plus 3 per read), whatever the reads."""
+    assert keyed.http_port is not None
+    counting = _CountingSearch(http_protocol._HEAD_END)
+    monkeypatch.setattr(http_protocol, "_HEAD_END", counting)
+    head = _post_head(len(BODY), extra=b"X-Pad: " + b"a" * 30_000 + b"\r\n")
+    with _connect(keyed.http_port) as s:
+        for _request in range(2):
+            before_scanned, before_searches = counting.scanned, counting.searches
+            for i in range(len(head)):
+                s.send(head[i:i + 1])
+                if i % 100 == 0:
+                    time.sleep(0.001)  # let the sidecar read: many reads of a few bytes
+            s.sendall(BODY)
+            status, _, body = _response(s)
+            assert status == 200, body
+            scanned, reads = counting.scanned - before_scanned, counting.searches - before_searches
+            # The old parser scanned the whole buffer per read: about reads x len(head) / 2. The last read
+            # may hold the body too.
+            assert scanned <= len(head) + len(BODY) + 3 * reads, (scanned, reads)
+
+
+def test_a_header_block_over_the_bound_is_refused(keyed: Sidecar) -> None:
+    assert keyed.http_port is not None
+    with _connect(keyed.http_port) as s:
+        s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nX-Pad: " + b"a" * (http_protocol.MAX_HEAD + 10))
+        status, _, _ = _response(s)
+        assert status == 431 and _closed(s)
+    _keyed_calls_answer(keyed)
+
+
+def test_pipelined_requests_split_mid_header_are_answered(keyed: Sidecar) -> None:
+    """A second request whose header block begins in the read that ends the first (pipelining)."""
+    assert keyed.http_port is not None
+    first, second = _post_head(len(BODY)) + BODY, _post_head(len(BODY)) + BODY
+    with _connect(keyed.http_port) as s:
+        s.sendall(first + second[:20])
+        time.sleep(0.05)
+        s.sendall(second[20:])
+        assert [_response(s)[0] for _ in range(2)] == [200, 200]
+
+
+def test_keyless_request_is_refused_before_its_body_is_read(keyed: Sidecar) -> None:
+    """A keyless POST announcing 3 MB (and asking to be told before sending it): 401 at once, no
+    100 Continue, the connection closed; the body is never sent, so it cannot have been read."""
+    assert keyed.http_port is not None
+    with _connect(keyed.http_port) as s:
+        s.sendall(_post_head(3_000_000, key=None, extra=b"Expect: 100-continue\r\n"))
+        status, headers, body = _response(s)
+        assert status == 401, body
+        assert headers["www-authenticate"] == "Bearer" and headers["connection"] == "close"
+        assert json.loads(body)["error"]["type"] == "unauthenticated"
+        assert _closed(s)
+    with _connect(keyed.http_port) as s:  # a wrong key too
+        s.sendall(_post_head(3_000_000, key="sk-wrong-" + "00" * 16))
+        assert _response(s)[0] == 401 and _closed(s)
+
+
+def test_a_body_that_never_arrives_is_closed_after_the_body_timeout(impatient: Sidecar) -> None:
+    assert impatient.http_port is not None
+    with _connect(impatient.http_port) as s:
+        s.sendall(_post_head(100) + b'{"input": ')
+        status, headers, body = _response(s)
+        assert status == 408 and headers["connection"] == "close", body
+        assert json.loads(body)["error"]["type"] == "request_timeout"
+        assert _closed(s)
+    assert impatient.http_gate.in_flight == 0
+    _keyed_calls_answer(impatient)
+
+
+def test_a_header_block_that_never_ends_is_closed_after_the_header_timeout(impatient: Sidecar) -> None:
+    """On a new connection (nothing sent, or part of a header block) and on a keep-alive one."""
+    assert impatient.http_port is not None
+    with _connect(impatient.http_port) as silent, _connect(impatient.http_port) as partial:
+        partial.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n")
+        for s in (silent, partial):
+            assert _response(s)[0] == 408 and _closed(s)
+    with _connect(impatient.http_port) as s:
+        s.sendall(_post_head(len(BODY)) + BODY)
+        assert _response(s)[0] == 200
+        s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n")
+        assert _response(s)[0] == 408 and _closed(s)
+    _keyed_calls_answer(impatient)
+
+
+@pytest.fixture
+def crowded(settings: Settings, onnx_backend: OnnxBackend) -> Iterator[tuple[Sidecar, ProbeBackend]]:
+    probe = ProbeBackend(onnx_backend)
+    s = sidecar_settings(settings, api_keys=f"shop={KEY}", http_max_connections=16, http_header_timeout_s=60.0,
+                         http_body_timeout_s=60.0)
+    with SidecarThread(s, backend=probe) as sc:
+        yield sc, probe
+
+
+def test_a_connection_flood_is_refused_and_a_keyed_call_still_succeeds(crowded: tuple[Sidecar, ProbeBackend]) -> None:
+    """16 connections at most: idle ones beyond it push out the longest idle (a keyed call too, and it
+    is served); with all 16 busy a new one is answered 503 at once; once they are done, calls succeed."""
+    sc, probe = crowded
+    assert sc.http_port is not None
+    limit = 16
+    flood = [_connect(sc.http_port) for _ in range(limit + 44)]
+    try:
+        closed = _wait_closed(flood, 44)
+        assert sorted(flood.index(s) for s in closed) == list(range(44))  # the longest waiting
+        r = httpx.post(f"http://127.0.0.1:{sc.http_port}/v1/embeddings", json={"input": "through the flood"},
+                       headers={"authorization": f"Bearer {KEY}"}, timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        for s in flood:
+            s.close()
+
+    probe.hold.clear()  # requests in progress are never pushed out
+    busy = [_connect(sc.http_port) for _ in range(limit)]
+    try:
+        for s in busy:
+            s.sendall(_post_head(len(BODY)) + BODY)
+
+        async def all_in_flight() -> None:
+            await until(lambda: sc.http_gate.in_flight == limit, f"{limit} HTTP requests in progress")
+
+        asyncio.run(all_in_flight())
+        with _connect(sc.http_port) as refused:
+            status, headers, _ = _response(refused)
+            assert status == 503 and headers["retry-after"] == "1" and _closed(refused)
+        probe.hold.set()
+        assert [_response(s)[0] for s in busy] == [200] * limit
+    finally:
+        probe.hold.set()
+        for s in busy:
+            s.close()
+    _keyed_calls_answer(sc)
+
+
+def test_each_front_holds_at_most_its_share_of_the_in_flight_cap() -> None:
+    """HTTP at its share leaves gRPC the rest of the cap, and the other way round."""
+    a = Admission(max_outstanding_items=96, s_per_token=1e-4, budget_s=0.010)
+    grpc_gate = Gate(lambda: a, Metrics(), 8, share=FRONT_SHARE)
+    http_gate = grpc_gate.front(FRONT_SHARE)
+    assert grpc_gate.max_in_flight == http_gate.max_in_flight == 6
+    for first, other in ((http_gate, grpc_gate), (grpc_gate, http_gate)):
+        assert [first.enter() for _ in range(6)] == [None] * 6
+        refused = first.enter()
+        assert refused is not None and "on this front" in refused.message
+        assert [other.enter() for _ in range(2)] == [None, None]  # the rest of the cap
+        assert other.enter() is not None  # the whole cap is in use
+        for g, n in ((first, 6), (other, 2)):
+            for _ in range(n):
+                g.leave()
+        assert first.in_flight == other.in_flight == 0
+
+
+def test_a_connection_still_sending_its_first_header_block_is_closed_at_shutdown(
+        settings: Settings, model_dir: object) -> None:
+    s = sidecar_settings(settings, api_keys=f"shop={KEY}", http_header_timeout_s=600.0)
+    with SidecarThread(s) as sc:
+        assert sc.http_port is not None
+        partial = _connect(sc.http_port)
+        partial.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n")
+        _keyed_calls_answer(sc)  # the sidecar has taken the connection meanwhile
+    with partial:
+        assert _closed(partial, 5.0)
