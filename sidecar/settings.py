@@ -43,16 +43,6 @@ class SidecarSettings:
         1024, "HTTP connections open at once: past it a new one closes the connection that has waited longest "
         "without a request in progress (idle keep-alive, or a header block still coming), else it is answered "
         "503 and closed, never queued.")
-    http_header_timeout_s: float = setting(
-        10.0, "HTTP: a request's header block must be complete this long after the connection opened or its "
-        "first byte came (408, the connection closed). Idle keep-alive connections close after 5 s (uvicorn).")
-    http_body_timeout_s: float = setting(
-        10.0, "HTTP: a POST's body must be complete this long after its headers (408, the connection closed); "
-        "only a caller whose key passed waits for its body, and it holds no in-flight place meanwhile.")
-    http_max_connections: int = setting(
-        1024, "HTTP connections open at once: past it a new one closes the connection that has waited longest "
-        "without a request in progress (idle keep-alive, or a header block still coming), else it is answered "
-        "503 and closed, never queued.")
     models: tuple[str, ...] = setting(
         (), "Models this sidecar serves (prepared directories under model.models_dir), the first the default; "
         "a request names one with its `model` field (gRPC) or body (HTTP). Empty = model.name alone."
