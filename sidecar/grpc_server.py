@@ -205,9 +205,17 @@ class EmbedderServicer:
 
         gate = self.gate
 
-        async def answer(raw: bytes) -> None:
+        def leave(left: list[bool]) -> None:
+            if gate is not None and not left[0]:
+                left[0] = True
+                gate.leave()
+
+        async def answer(raw: bytes, left: list[bool]) -> None:
             try:
                 reply = await self.stream_one(raw, key, stream_deadline)
+            finally:
+                leave(left)  # answered: its write waits on the caller, not on the model's capacity
+            try:
                 async with writing:
                     await context.write(reply.SerializeToString())
             finally:
@@ -223,9 +231,10 @@ class EmbedderServicer:
                 await owed.acquire()
                 refused = gate.enter() if gate is not None else None
                 if refused is None:
-                    task = tasks.create_task(answer(raw))
-                    if gate is not None:  # a callback, not `finally`: a task cancelled before it ran counts too
-                        task.add_done_callback(lambda _t: gate.leave())
+                    left = [False]
+                    task = tasks.create_task(answer(raw, left))
+                    # also a callback: a task cancelled before it ran leaves the gate too
+                    task.add_done_callback(lambda _t, left=left: leave(left))
                 else:
                     try:
                         await refuse(raw, refused)
