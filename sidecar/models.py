@@ -154,12 +154,12 @@ def build_model(settings: Settings, name: str, metrics: Metrics, *, backend: Bac
     scheduler = FallbackScheduler(scheduler_for(backend), fallback, health)
     holder = IndexHolder(index, index_root=s.index_dir, expected_model_id=backend.version_id, poll_s=s.index_poll_s,
                          catalog=settings.catalog, on_load=on_index_load)
-    cache = EmbeddingCache(backend.version_id, s.cache_entries, s.cache_ttl_s)
+    cache = EmbeddingCache(backend.version_id, s.cache_entries, s.cache_ttl_s, s.cache_max_bytes)
     pipeline = EmbedPipeline(
         tokenizer=tokenizer, lowercase=manifest.lowercase, cache=cache, admission=admission, scheduler=scheduler,
         metrics=mm, dim=backend.dim,
         max_batch=min(settings.model.max_texts_per_call, backend.max_batch if backend.max_batch > 0 else 256),
-        max_chars=s.max_text_chars, max_items_per_call=s.max_rows_per_pass)
+        max_chars=s.max_text_chars, max_items_per_call=s.max_rows_per_pass, max_request_chars=s.max_request_chars)
     return ServedModel(name, manifest, backend, tokenizer, cache, admission, health, scheduler, holder, pipeline,
                        owns, s.max_rows_per_pass, mm)
 

@@ -22,7 +22,7 @@ import numpy as np
 from inference.backends.base import Embeddings
 from inference.buckets import plan_calls
 from inference.errors import DeadlineExceeded, EmbedcarError, InvalidInput, Overloaded, Unavailable
-from inference.text import check_texts, normalize
+from inference.text import NFKC_MAX_GROWTH, check_texts, normalize, normalize_texts
 from inference.tokenizer import Encoded, QueryTokenizer
 from sidecar.admission import Admission
 from sidecar.cache import EmbeddingCache, Entry
@@ -30,8 +30,14 @@ from sidecar.metrics import ModelMetrics
 from sidecar.scheduler import Computed, NotNow, Scheduler
 from sidecar.timings import Timings
 
-# Tokenizing one short query takes ~16 µs, less than a thread hop: only big batches leave the loop.
+# Tokenizing one short query takes ~16 µs, less than a thread hop: only big batches leave the loop,
+# or long texts (~0.2-0.8 µs a character: 4k characters, up to ~3 ms).
 TOKENIZE_ON_LOOP_MAX = 16
+TOKENIZE_ON_LOOP_CHARS = 4096
+# Characters normalisation may write on the loop (~0.1 µs each: ~1.5 ms at most): past it, a request's
+# texts are normalised on a worker thread. NFKC may write 18 for one read, so a request is weighed
+# by what it may write; one short query, the usual request, is weighed by one multiplication.
+NORMALIZE_ON_LOOP_CHARS = 16_384
 
 
 @dataclass(slots=True)
@@ -50,16 +56,16 @@ class Lookup:
     """The cache stage's verdict per distinct normalised text."""
 
     hits: dict[int, Entry] = field(default_factory=dict)  # input index -> cached entry
-    rows: dict[str, list[int]] = field(default_factory=dict)  # miss key -> input indices
-    texts: dict[str, str] = field(default_factory=dict)  # miss key -> normalised text
-    joined: dict[str, asyncio.Future[Entry]] = field(default_factory=dict)  # computed by another request
-    led: dict[str, asyncio.Future[Entry]] = field(default_factory=dict)  # computed by this request
+    rows: dict[bytes, list[int]] = field(default_factory=dict)  # miss key -> input indices
+    texts: dict[bytes, str] = field(default_factory=dict)  # miss key -> normalised text
+    joined: dict[bytes, asyncio.Future[Entry]] = field(default_factory=dict)  # computed by another request
+    led: dict[bytes, asyncio.Future[Entry]] = field(default_factory=dict)  # computed by this request
 
 
 class EmbedPipeline:
     def __init__(self, *, tokenizer: QueryTokenizer, lowercase: bool, cache: EmbeddingCache, admission: Admission,
                  scheduler: Scheduler, metrics: ModelMetrics, dim: int, max_batch: int, max_chars: int,
-                 max_items_per_call: int) -> None:
+                 max_items_per_call: int, max_request_chars: int = 1 << 62) -> None:
         self.tokenizer = tokenizer
         self.lowercase = lowercase
         self.cache = cache
@@ -70,12 +76,21 @@ class EmbedPipeline:
         self.max_batch = max_batch
         self.max_chars = max_chars
         self.max_items_per_call = max(1, max_items_per_call)
+        self.max_request_chars = max_request_chars
+        self.read_chars = tokenizer.max_text_chars  # what the tokenizer reads of a normalised text
+        self.one_text_on_loop = NORMALIZE_ON_LOOP_CHARS // NFKC_MAX_GROWTH  # characters, whatever they are
 
-    async def run(self, texts: Sequence[object], deadline: float, tm: Timings) -> Embedded:
-        """`deadline` is on the time.monotonic() clock."""
+    async def run(self, texts: Sequence[object], deadline: float, tm: Timings,
+                  partition: str | None = None) -> Embedded:
+        """`deadline` is on the time.monotonic() clock. `partition`: the cache's (EmbeddingCache.key):
+        the tenant where tenants must not see each other's hits, None = shared."""
         t0 = time.perf_counter_ns()
         clean = self.validate(texts)
-        found = self.lookup([normalize(t, lowercase=self.lowercase) for t in clean])
+        if len(clean) == 1 and len(clean[0]) <= self.one_text_on_loop:  # the usual request
+            normalised = self.normalise(clean)
+        else:
+            normalised = await self.normalise_big(clean)
+        found = self.lookup(normalised, partition)
         tm.cache = time.perf_counter_ns() - t0
         backend = ""
         if found.led:
@@ -86,7 +101,8 @@ class EmbedPipeline:
         out.backend = backend
         return out
 
-    def run_now(self, texts: Sequence[object], deadline: float, tm: Timings) -> Embedded | None:
+    def run_now(self, texts: Sequence[object], deadline: float, tm: Timings,
+                partition: str | None = None) -> Embedded | None:
         """`run` on the calling thread for one text that needs no waiting: a cache hit, or a miss no
         other request is computing while the scheduler can run it at once (Scheduler.can_run_now: the
         idle micro-batcher, or a Triton call this thread waits for while the loop runs meanwhile).
@@ -96,9 +112,15 @@ class EmbedPipeline:
             return None
         t0 = time.perf_counter_ns()
         (text,) = self.validate(texts)
-        norm = normalize(text, lowercase=self.lowercase)
-        key = self.cache.key(norm)
+        if len(text) > self.one_text_on_loop:
+            return None  # the loop is stopped while this runs: `run` normalises it on a worker thread
+        norm = normalize(text, lowercase=self.lowercase, limit=self.read_chars)
+        if len(norm) > self.max_request_chars:
+            return None  # `run` refuses it
+        key = self.cache.key(norm, partition)
         hit = self.cache.get(key)
+        if hit is None and partition is not None:
+            hit = self.cache.get(self.cache.key(norm))
         if hit is None and (self.cache.joinable(key) is not None or not self.scheduler.can_run_now()):
             return None
         out = np.empty((1, self.dim), dtype=np.float32)
@@ -141,13 +163,36 @@ class EmbedPipeline:
                 raise InvalidInput(f"text {i} has {len(t)} characters, over the maximum of {self.max_chars}")
         return clean
 
-    def lookup(self, normalised: list[str]) -> Lookup:
-        """Cache hits; each distinct miss is joined to another request's computation or led by this one."""
+    def normalise(self, clean: list[str]) -> list[str]:
+        """Cache keys and tokenizer input: NFKC'd only as far as the tokenizer reads, the request's
+        total capped (inference.text.normalize_texts)."""
+        if len(clean) == 1:  # the usual request: one query, without normalize_texts' loop
+            norm = normalize(clean[0], lowercase=self.lowercase, limit=self.read_chars)
+            if len(norm) <= self.max_request_chars:
+                return [norm]
+        return normalize_texts(clean, lowercase=self.lowercase, limit=self.read_chars,
+                               max_total=self.max_request_chars)
+
+    async def normalise_big(self, clean: list[str]) -> list[str]:
+        """`normalise` on a worker thread where it may write more than NORMALIZE_ON_LOOP_CHARS."""
+        weight = 0
+        for t in clean:
+            weight += len(t) if t.isascii() else len(t) * NFKC_MAX_GROWTH
+        if weight <= NORMALIZE_ON_LOOP_CHARS:
+            return self.normalise(clean)
+        return await asyncio.to_thread(self.normalise, clean)
+
+    def lookup(self, normalised: list[str], partition: str | None = None) -> Lookup:
+        """Cache hits; each distinct miss is joined to another request's computation or led by this one.
+        A partition's lookup also finds the shared entries (the operator's warm queries): only
+        requests of no partition write those."""
         out = Lookup()
         cache = self.cache
         for i, norm in enumerate(normalised):
-            key = cache.key(norm)
+            key = cache.key(norm, partition)
             e = cache.get(key)
+            if e is None and partition is not None:
+                e = cache.get(cache.key(norm))
             if e is not None:
                 out.hits[i] = e
             elif key in out.rows:
@@ -204,7 +249,7 @@ class EmbedPipeline:
         return ",".join(answered)
 
     async def encode(self, texts: list[str]) -> Encoded:
-        if len(texts) <= TOKENIZE_ON_LOOP_MAX:
+        if len(texts) <= TOKENIZE_ON_LOOP_MAX and sum(map(len, texts)) <= TOKENIZE_ON_LOOP_CHARS:
             return self.tokenizer.encode(texts)
         return await asyncio.to_thread(self.tokenizer.encode, texts)
 

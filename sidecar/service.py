@@ -7,6 +7,10 @@ Everything between the texts and their embeddings is the pipeline's; this module
 call, which model answers, the default deadline, and the product index. A request resolves its
 model once: the vector and the index of one Search reply are always the same model version's.
 A LEXICAL search embeds nothing.
+
+Where the API keys name several tenants, each tenant's requests use their own cache partition
+(sidecar.cache): a reply's cache flag and its latency say nothing about what another tenant asked.
+With one tenant or no keys every request shares the cache, as the operator's warm queries do.
 """
 
 from __future__ import annotations
@@ -60,6 +64,12 @@ class EmbedService:
         self.metrics = metrics
         self.default_deadline_s = default_deadline_s
         self.max_k = max_k
+        # KeyRing has no public list of its tenants; it is fixed once built.
+        self.per_tenant_cache = len({tenant for tenant, _digest in keys._entries}) > 1
+
+    def partition(self, tenant: str | None) -> str | None:
+        """The cache partition of a tenant's requests (EmbeddingCache.key): None = shared."""
+        return tenant if self.per_tenant_cache else None
 
     @property
     def model(self) -> str:
@@ -86,14 +96,18 @@ class EmbedService:
     async def embed(self, texts: Sequence[object], *, model: str | None = None, api_key: str | None = None,
                     deadline: float | None = None, authenticated: bool = False) -> EmbedOutcome:
         """`deadline` is on the time.monotonic() clock; None = the default deadline from settings.
-        `model`: a served model's name or version id; None = the default (first) one."""
+        `model`: a served model's name or version id; None = the default (first) one.
+        `authenticated`: the key was checked (and a rate-limit token taken) by `embed_now`; without a key
+        (the operator's warm queries) the request uses the shared cache partition."""
         t0 = time.perf_counter_ns()
         tm = Timings()
         if not authenticated:
-            self.authenticate(api_key)
+            tenant: str | None = self.authenticate(api_key)
+        else:
+            tenant = self.keys.tenant_for(api_key) if self.per_tenant_cache and api_key else None
         served = self.models.get(model)
         tm.auth = time.perf_counter_ns() - t0
-        out = await served.pipeline.run(texts, self._deadline(deadline), tm)
+        out = await served.pipeline.run(texts, self._deadline(deadline), tm, self.partition(tenant))
         return self._embedded(served, out, tm, t0)
 
     def embed_now(self, texts: Sequence[object], *, model: str | None = None, api_key: str | None = None,
@@ -102,10 +116,10 @@ class EmbedService:
         (EmbedPipeline.run_now); None once authenticated: finish with `embed(..., authenticated=True)`."""
         t0 = time.perf_counter_ns()
         tm = Timings()
-        self.authenticate(api_key)
+        tenant = self.authenticate(api_key)
         served = self.models.get(model)
         tm.auth = time.perf_counter_ns() - t0
-        out = served.pipeline.run_now(texts, self._deadline(deadline), tm)
+        out = served.pipeline.run_now(texts, self._deadline(deadline), tm, self.partition(tenant))
         return None if out is None else self._embedded(served, out, tm, t0)
 
     @staticmethod
@@ -122,7 +136,7 @@ class EmbedService:
                      deadline: float | None = None) -> SearchOutcome:
         t0 = time.perf_counter_ns()
         tm = Timings()
-        self.authenticate(api_key)
+        tenant = self.authenticate(api_key)
         served = self.models.get(model)  # once: its pipeline and its index, whatever a rollout does meanwhile
         tm.auth = time.perf_counter_ns() - t0
         mode = parse_mode(mode)
@@ -141,7 +155,7 @@ class EmbedService:
             tm.cache = time.perf_counter_ns() - t1
             vectors, cache_hits, backend = None, [False] * len(clean), ""
         else:
-            emb = await served.pipeline.run(texts, self._deadline(deadline), tm)
+            emb = await served.pipeline.run(texts, self._deadline(deadline), tm, self.partition(tenant))
             clean = cast(list[str], list(texts))  # the pipeline has checked they are strings
             vectors, cache_hits, backend = emb.embeddings, emb.cache_hits, emb.backend
         t2 = time.perf_counter_ns()

@@ -65,6 +65,10 @@ class SidecarSettings:
     burst: int = setting(200, "Token bucket size per tenant.")
     cache_entries: int = setting(100_000, "Hot-query cache size in entries (0 = off).")
     cache_ttl_s: float = setting(3600.0, "Cache entry lifetime.")
+    cache_max_bytes: int = setting(
+        192 * 1024 * 1024, "Hot-query cache size in bytes, each entry counted as its vector, its 16-byte key "
+        "(a digest, never the text) and ~500 bytes of bookkeeping: ~2 KB for a 384-dimension model (0 = off)."
+    )
     max_message_bytes: int = setting(4 * 1024 * 1024, "Largest gRPC/HTTP request body.")
     grpc_max_streams: int = setting(
         100, "gRPC: concurrent calls (streams) one connection may have open; past it the client waits "
@@ -116,6 +120,11 @@ class SidecarSettings:
     max_text_chars: int = setting(
         10_000, "Texts longer than this are rejected (INVALID_ARGUMENT), before model.truncate_text_chars "
         "could cut them: the sidecar never embeds a shortened text."
+    )
+    max_request_chars: int = setting(
+        250_000, "Most characters one request's texts may hold after Unicode normalisation (NFKC can make one "
+        "character 18: U+FDFA), counted as they are normalised so the work stops there; more is refused "
+        "(INVALID_ARGUMENT). Each text counts at most model.truncate_text_chars, all the tokenizer reads of it."
     )
     max_rows_per_pass: int = setting(
         32, "Most texts in one backend call (one forward pass): the embedded micro-batcher fills batches up "
