@@ -36,7 +36,11 @@ class KeyRing:
         self._entries = tuple((tenant, d) for tenant, d in digests.items())
 
     def __repr__(self) -> str:  # never show digests either
-        return f"KeyRing(tenants={[t for t, _ in self._entries]})"
+        return f"KeyRing(tenants={list(self.tenants)})"
+
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        return tuple(t for t, _ in self._entries)
 
     @property
     def enabled(self) -> bool:

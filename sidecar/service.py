@@ -65,7 +65,7 @@ class EmbedService:
         self.default_deadline_s = default_deadline_s
         self.max_k = max_k
         # KeyRing has no public list of its tenants; it is fixed once built.
-        self.per_tenant_cache = len({tenant for tenant, _digest in keys._entries}) > 1
+        self.per_tenant_cache = len(keys.tenants) > 1
 
     def partition(self, tenant: str | None) -> str | None:
         """The cache partition of a tenant's requests (EmbeddingCache.key): None = shared."""

@@ -119,7 +119,8 @@ class SidecarSettings:
     grace_s: float = setting(5.0, "Graceful shutdown: time for in-flight requests to finish.")
     max_text_chars: int = setting(
         10_000, "Texts longer than this are rejected (INVALID_ARGUMENT), before model.truncate_text_chars "
-        "could cut them: the sidecar never embeds a shortened text."
+        "could cut them; a text that Unicode normalisation (NFKC) grows past that cut is cut and flagged "
+        "`truncated`."
     )
     max_request_chars: int = setting(
         250_000, "Most characters one request's texts may hold after Unicode normalisation (NFKC can make one "
