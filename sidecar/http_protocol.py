@@ -211,22 +211,17 @@ class UpgradeTolerantHttp(asyncio.Protocol):
         return None  # close the transport
 
 
-class _GuardedFast(_Fast):
-    """httptools past the first request: each later header block collected by `_HeadBuffer` (bounded,
-    timed) and fed whole. One that begins in the same read as the end of the request before it
-    (pipelining) is already inside httptools: it is bounded in reads and bytes instead."""
+class _Tracked:
+    """What both guarded uvicorn protocols add alike: the limits they read, the connection count they are
+    in, and since when they wait without a request in progress (the one idle longest is evicted first)."""
 
     limits = HttpLimits()
     counted_in: Connections | None = None
+    loop: asyncio.AbstractEventLoop
+    cycle: Any
+    transport: asyncio.Transport
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._between = False  # the parser is between two requests: the next bytes begin a header block
-        self._in_head = False  # the parser is inside a header block
-        self._head: _HeadBuffer | None = None
-        self._head_reads = 0
-        self._head_bytes = 0
-        self._head_timer: asyncio.TimerHandle | None = None
+    def _track(self) -> None:
         self._idle_since = self.loop.time()
 
     @property
@@ -235,6 +230,30 @@ class _GuardedFast(_Fast):
 
     def evict(self) -> None:
         self.transport.close()
+
+    def on_response_complete(self) -> None:
+        self._idle_since = self.loop.time()
+        super().on_response_complete()  # type: ignore[misc]  # uvicorn's protocol, after this in the MRO
+
+    def _uncount(self) -> None:
+        if self.counted_in is not None:
+            self.counted_in.discard(self)
+
+
+class _GuardedFast(_Tracked, _Fast):
+    """httptools past the first request: each later header block collected by `_HeadBuffer` (bounded,
+    timed) and fed whole. One that begins in the same read as the end of the request before it
+    (pipelining) is already inside httptools: it is bounded in reads and bytes instead."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._track()
+        self._between = False  # the parser is between two requests: the next bytes begin a header block
+        self._in_head = False  # the parser is inside a header block
+        self._head: _HeadBuffer | None = None
+        self._head_reads = 0
+        self._head_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = None
 
     def on_message_begin(self) -> None:
         self._between, self._in_head, self._head_reads, self._head_bytes = False, True, 0, 0
@@ -247,10 +266,6 @@ class _GuardedFast(_Fast):
     def on_message_complete(self) -> None:
         self._between = True
         super().on_message_complete()
-
-    def on_response_complete(self) -> None:
-        self._idle_since = self.loop.time()
-        super().on_response_complete()
 
     def data_received(self, data: bytes) -> None:
         if self._between and self._head is None:
@@ -296,33 +311,18 @@ class _GuardedFast(_Fast):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
-        if self.counted_in is not None:
-            self.counted_in.discard(self)
+        self._uncount()
         super().connection_lost(exc)
 
 
-class _GuardedH11(H11Protocol):
+class _GuardedH11(_Tracked, H11Protocol):
     """h11 (upgrade offers): h11 scans each byte of a header block once and bounds its size itself
     (`h11_max_incomplete_event_size`); here, the header timeout and the connection count."""
 
-    limits = HttpLimits()
-    counted_in: Connections | None = None
-
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self._track()
         self._head_timer: asyncio.TimerHandle | None = None
-        self._idle_since = self.loop.time()
-
-    @property
-    def waiting_since(self) -> float | None:
-        return None if self.cycle is not None and not self.cycle.response_complete else self._idle_since
-
-    def evict(self) -> None:
-        self.transport.close()
-
-    def on_response_complete(self) -> None:
-        self._idle_since = self.loop.time()
-        super().on_response_complete()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -343,8 +343,7 @@ class _GuardedH11(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
-        if self.counted_in is not None:
-            self.counted_in.discard(self)
+        self._uncount()
         super().connection_lost(exc)
 
 
