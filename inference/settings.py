@@ -30,18 +30,62 @@ from typing import Any, Self
 
 from inference.errors import InvalidInput
 
+PORT_MAX = 65535  # a TCP port is 16 bits: the OS wraps a larger number (99999 -> 34463) or refuses it
+
 
 def setting(default: Any, doc: str, *, secret: bool = False, flag: str | None = None,
-            choices: tuple[str, ...] | None = None) -> Any:
+            choices: tuple[str, ...] | None = None, min: float | None = None, max: float | None = None) -> Any:
     """A documented settings field. `flag`: its CLI flag name where that differs from the field's
-    (e.g. `--threads` for model.intra_op_threads); `choices`: the values its flag accepts."""
+    (e.g. `--threads` for model.intra_op_threads); `choices`: the values its flag accepts; `min`/`max`:
+    the inclusive range of a number (of each item of a tuple), checked when `Settings.load` reads a
+    variable or a flag (a typo'd port or a negative count is refused there, in one line, rather than
+    wrapped by the OS or failing later)."""
     # repr=False for secrets: a settings object in a log line or a traceback must not show them.
     return field(default=default, repr=not secret,
-                 metadata={"doc": doc, "secret": secret, "flag": flag, "choices": choices})
+                 metadata={"doc": doc, "secret": secret, "flag": flag, "choices": choices, "min": min, "max": max})
 
 
 def env_name(section: str, name: str) -> str:
     return f"EMBEDCAR_{section}_{name}".upper()
+
+
+def flag_name(f: dataclasses.Field[Any]) -> str:
+    """The CLI flag of a settings field, e.g. `--threads` for model.intra_op_threads."""
+    return "--" + (f.metadata.get("flag") or f.name.replace("_", "-"))
+
+
+def range_text(f: dataclasses.Field[Any]) -> str:
+    """A field's range as the reference page and the errors say it ("" where it has none)."""
+    low, high = f.metadata.get("min"), f.metadata.get("max")
+    if low is not None and high is not None:
+        return f"{_num(low)} to {_num(high)}"
+    if low is not None:
+        return f"at least {_num(low)}"
+    return f"at most {_num(high)}" if high is not None else ""
+
+
+def check_range(f: dataclasses.Field[Any], value: Any, source: str) -> None:
+    """Raise InvalidInput naming `source` (a flag or a variable) where `value` (or an item of it) is
+    outside the field's range; NaN is outside every range."""
+    low, high = f.metadata.get("min"), f.metadata.get("max")
+    if low is None and high is None:
+        return
+    for v in value if isinstance(value, tuple) else (value,):
+        if isinstance(v, int | float) and not isinstance(v, bool) and not (
+                (low is None or v >= low) and (high is None or v <= high) and v == v):
+            raise InvalidInput(f"{source}: {_num(v)} is out of range: {range_text(f)}"
+                               f"{_range_note(f)}")
+
+
+def _range_note(f: dataclasses.Field[Any]) -> str:
+    """A port's special values, the ones users reach for: 0 (a free one) and, where allowed, -1 (off)."""
+    if not f.name.endswith("port") or f.metadata.get("min") is None or f.metadata["min"] > 0:
+        return ""
+    return " (0 = a free one, -1 = off)" if f.metadata["min"] < 0 else " (0 = a free one)"
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if isinstance(v, float) and v.is_integer() and abs(v) < 1e15 else str(v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,12 +104,12 @@ class ModelSettings:
         0, "Embedded backend: intra-op threads (ONNX Runtime, OpenVINO for bf16). 0 = chosen: on the query "
         "path (sidecar, one lane) a typical query is timed at load on 1 thread and on every core, and every "
         "core is kept only if it is 25 % faster (the search node beside it keeps the rest); batch work "
-        "(the catalog job) uses every core.", flag="threads")
+        "(the catalog job) uses every core.", flag="threads", min=0, max=1024)
     forward_lanes: int = setting(
         1, "Embedded backend: forward passes that may run at once, each on intra_op_threads / lanes ORT "
         "threads. 1: every core on each query (lowest latency at light load); more: more queries per "
-        "second once a queue forms, each query a little slower (docs/benchmarks.md, 'Levers').", flag="lanes"
-    )
+        "second once a queue forms, each query a little slower (docs/benchmarks.md, 'Levers').", flag="lanes",
+        min=1, max=256)
     ort_spinning: bool = setting(
         False, "Embedded backend (in-process ORT): let its threads spin between calls. Off (default): "
         "a query costs about the model's own CPU; on: up to ~0.5 ms less latency per call on an "
@@ -76,26 +120,26 @@ class ModelSettings:
     ort_spin_us: int = setting(
         0, "Embedded backend, with ort_spinning: how long an idle ORT thread spins before it sleeps "
         "(session.intra_op.spin_duration_us); 0 = ORT's own default, which at 100 requests/s keeps "
-        "one thread spinning from each call to the next."
+        "one thread spinning from each call to the next.", min=0
     )
     pad_multiple: int = setting(
         1, "Embedded backend: pad each forward pass only to its longest sequence, rounded up to a "
         "multiple of this (1 = exact); 0 = to the length bucket's ceiling, as Triton needs. Padding "
-        "one short query to its bucket costs 25-35 % of a CPU forward pass; the embeddings are the same."
+        "one short query to its bucket costs 25-35 % of a CPU forward pass; the embeddings are the same.", min=0
     )
     small_pass_tokens: int = setting(
         0, "Embedded backend: forward passes of at most this many tokens (rows x padded length) run "
         "on a second ORT session of one thread without spinning (less CPU per query, a little more "
-        "latency); 0 = off, every pass on intra_op_threads."
+        "latency); 0 = off, every pass on intra_op_threads.", min=0
     )
     max_texts_per_call: int = setting(
         256, "Most texts one embedding call may carry: a sidecar request or `embedcar embed` (more: "
         "INVALID_ARGUMENT), and a backend call unless its caller sets a cap. Not the forward-pass size: "
-        "that is sidecar.max_rows_per_pass (and Triton's own triton.max_batch_size)."
+        "that is sidecar.max_rows_per_pass (and Triton's own triton.max_batch_size).", min=1
     )
     truncate_text_chars: int = setting(
         20_000, "Texts longer than this are cut before tokenizing (bounds tokenizer work; the model cuts "
-        "at its token limit anyway). The sidecar rejects long texts first: sidecar.max_text_chars."
+        "at its token limit anyway). The sidecar rejects long texts first: sidecar.max_text_chars.", min=1
     )
 
     @property
@@ -114,9 +158,10 @@ class ModelSettings:
 @dataclass(frozen=True, slots=True)
 class TritonSettings:
     host: str = setting("127.0.0.1", "Address the local tritonserver binds to (loopback by default).")
-    grpc_port: int = setting(8001, "Triton gRPC port (`triton serve`: 0 = a free one).")
-    http_port: int = setting(8000, "Triton HTTP port (`triton serve`: 0 = a free one).")
-    metrics_port: int = setting(8002, "Triton Prometheus metrics port (`triton serve`: 0 = a free one).")
+    grpc_port: int = setting(8001, "Triton gRPC port (`triton serve`: 0 = a free one).", min=0, max=PORT_MAX)
+    http_port: int = setting(8000, "Triton HTTP port (`triton serve`: 0 = a free one).", min=0, max=PORT_MAX)
+    metrics_port: int = setting(8002, "Triton Prometheus metrics port (`triton serve`: 0 = a free one).",
+                                min=0, max=PORT_MAX)
     urls: tuple[str, ...] = setting(
         ("127.0.0.1:8001",), "Triton gRPC addresses the client spreads requests over.", flag="triton-url"
     )
@@ -124,35 +169,35 @@ class TritonSettings:
     target: str = setting("cpu", "Model repository target: cpu (ORT in Python backend) or gpu.",
                           choices=("cpu", "gpu"))
     max_queue_delay_us: int = setting(
-        0, "Dynamic batching wait; paid in full at low traffic. 0 = batch only what is already queued."
+        0, "Dynamic batching wait; paid in full at low traffic. 0 = batch only what is already queued.", min=0
     )
-    preferred_batch_sizes: tuple[int, ...] = setting((4, 8, 16, 32), "Preferred dynamic batch sizes.")
+    preferred_batch_sizes: tuple[int, ...] = setting((4, 8, 16, 32), "Preferred dynamic batch sizes.", min=1)
     cpu_instances: int = setting(0, "Encoder instances on CPU; 0 = one per two cores (at least 1).",
-                                 flag="instances")
-    gpu_instances: int = setting(4, "Encoder instances per GPU (parallel CUDA streams).")
+                                 flag="instances", min=0)
+    gpu_instances: int = setting(4, "Encoder instances per GPU (parallel CUDA streams).", min=1)
     cpu_pooling: str = setting(
         "fused", "CPU target: pool inside the encoder's stub (fused: one Python hop) or as its own step."
     )
     max_batch_size: int = setting(
         256, "max_batch_size in the generated models' config.pbtxt: the most rows Triton batches into one "
-        "execution (and accepts in one request)."
+        "execution (and accepts in one request).", min=1
     )
-    timeout_ms: int = setting(2000, "gRPC deadline and Triton server-side timeout per request.")
+    timeout_ms: int = setting(2000, "gRPC deadline and Triton server-side timeout per request.", min=1)
     engine_cache_dir: Path = setting(Path("var/trt-engines"), "Cache of TensorRT engines.")
     backend_dir: Path = setting(Path("var/triton/backends"), "Assembled backend directory (Python backend + stub).")
-    ort_threads: int = setting(0, "ORT intra-op threads per CPU encoder instance; 0 = cores / instances.")
+    ort_threads: int = setting(0, "ORT intra-op threads per CPU encoder instance; 0 = cores / instances.", min=0)
     ort_spinning: bool = setting(
         False, "CPU target: let the ORT threads inside the Python-backend encoder spin between ops (off: "
         "shared cores stay free). The embedded backend has its own: model.ort_spinning."
     )
     ort_spin_us: int = setting(
         0, "CPU target, with ort_spinning: how long an idle encoder ORT thread spins before it sleeps "
-        "(session.intra_op.spin_duration_us); 0 = ORT's own default."
+        "(session.intra_op.spin_duration_us); 0 = ORT's own default.", min=0
     )
-    shm_default_mb: int = setting(16, "Python backend shared-memory region per stub at start (MiB).")
-    shm_growth_mb: int = setting(64, "Python backend shared-memory growth step (MiB).")
-    startup_timeout_s: float = setting(120.0, "Longest wait for tritonserver to become ready.")
-    probe_interval_s: float = setting(0.5, "Client: how often each Triton URL is probed for readiness.")
+    shm_default_mb: int = setting(16, "Python backend shared-memory region per stub at start (MiB).", min=1)
+    shm_growth_mb: int = setting(64, "Python backend shared-memory growth step (MiB).", min=1)
+    startup_timeout_s: float = setting(120.0, "Longest wait for tritonserver to become ready.", min=1)
+    probe_interval_s: float = setting(0.5, "Client: how often each Triton URL is probed for readiness.", min=0.01)
     # --- a Triton pool reached from other machines (docs/scale.md "Securing the pool") -----------
     profile: str = setting(
         "local", "local: plaintext, every API open (one host, loopback: make demo, tests). hardened: the "
@@ -204,12 +249,16 @@ class Settings:
             sec_cls = typing.get_type_hints(cls)[sec.name]
             values: dict[str, Any] = {}
             hints = typing.get_type_hints(sec_cls)
-            for f in dataclasses.fields(sec_cls):
+            fields = {f.name: f for f in dataclasses.fields(sec_cls)}
+            for f in fields.values():
                 key = env_name(sec.name, f.name)
                 if key in env:
                     values[f.name] = parse_value(hints[f.name], env[key], key)
+                    check_range(f, values[f.name], key)
             for name, value in ((overrides or {}).get(sec.name) or {}).items():
                 if value is not None:
+                    if name in fields:  # an unknown name fails in the constructor below, as before
+                        check_range(fields[name], value, flag_name(fields[name]))
                     values[name] = value
             sections[sec.name] = sec_cls(**values)
         return cls(**sections)
@@ -250,5 +299,8 @@ def parse_value(tp: Any, raw: str, key: str) -> Any:
         if tp in (int, float, str, Path):
             return tp(raw)
     except (ValueError, StopIteration) as exc:
-        raise InvalidInput(f"{key}: cannot read {raw!r} as {tp}") from exc
+        raise InvalidInput(f"{key}: cannot read {raw!r} as {_TYPE_NAMES.get(tp, str(tp))}") from exc
     raise InvalidInput(f"{key}: unsupported setting type {tp}")
+
+
+_TYPE_NAMES: dict[Any, str] = {int: "a whole number", float: "a number", bool: "true/false (1/0, yes/no, on/off)"}

@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from inference.settings import env_name
+from inference.settings import env_name, range_text
 
 HEADER = """\
 # Settings
@@ -47,6 +47,8 @@ def section_table(section: str, cls: type[Any]) -> str:
         choices = f.metadata.get("choices")
         if choices:
             doc += f" One of: {', '.join(choices)}."
+        if bounds := range_text(f):
+            doc += f" Range: {bounds}."
         cells = (f"`{env_name(section, f.name)}`", type_name(hints[f.name]), default_text(f), doc)
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"

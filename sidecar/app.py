@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any, Self
 
 from grpc_health.v1._async import HealthServicer
 
+from catalog.store import MANIFEST_FILE
 from inference import heap
 from inference.backends.base import Backend
 from inference.errors import EmbedcarError, InvalidInput, Unavailable
 from inference.manifest import Manifest
-from inference.ports import listen_tcp
+from inference.ports import check_listenable, listen_error, listen_tcp
 from inference.tokenizer import QueryTokenizer
 from sidecar.admission import Admission
 from sidecar.auth import KeyRing, check_bind
@@ -65,6 +66,7 @@ class Sidecar:
         after each index load, it freezes the heap out of the garbage collector's full collections
         (inference.heap). Off for a sidecar embedded in another program, whose heap is not its own."""
         s = settings.sidecar
+        check_index_dir(s.index_dir)  # before the models load: a typo'd path is refused at once
         self._settle_heap = settle_heap
         self._unwatch_gc: Callable[[], None] | None = None
         self._settled = False
@@ -172,6 +174,12 @@ class Sidecar:
 
     async def _start(self) -> None:
         s = self.settings.sidecar
+        # Every port before any server starts: a port in use is one line naming its flag, not a
+        # gRPC core log line and a half-started server (a same-host race is still caught at bind).
+        for flag, port in (("--grpc-port", s.grpc_port), ("--native-grpc-port", s.native_grpc_port),
+                           ("--http-port", s.http_port)):
+            if port >= 0:
+                await asyncio.to_thread(check_listenable, s.host, port, flag=flag)
         self._health = HealthServicer()
         await self._set_health(False)  # NOT_SERVING until the backend is warm
         if self._settle_heap:  # the process's collector is ours to report
@@ -180,7 +188,11 @@ class Sidecar:
         if s.grpc_server == "compiled" and self._front_builds():
             await self._start_compiled(servicer)
         else:
-            self._grpc, self.grpc_port, self.uds = create_server(s, servicer, self._health, self.tls)
+            try:
+                self._grpc, self.grpc_port, self.uds = create_server(s, servicer, self._health, self.tls)
+            except RuntimeError as exc:  # grpc.aio's "Failed to bind to address": it gives no reason
+                raise listen_error("--grpc-port", s.host, s.grpc_port, "gRPC could not bind it (in use, or not an "
+                                   "address of this host)") from exc
             await self._grpc.start()
         if s.native_grpc_port >= 0:
             if self.tls is not None:
@@ -192,11 +204,17 @@ class Sidecar:
                                                                 s.max_message_bytes, front_limits(s))
             except Unavailable as exc:
                 raise Unavailable(f"sidecar.native_grpc_port: {exc.message}") from exc
+            except OSError as exc:  # the front's bind failed (sidecar/native_front.py)
+                raise listen_error("--native-grpc-port", s.host, s.native_grpc_port, str(exc)) from exc
         if s.http_port >= 0:
             await self._start_http(s.host, s.http_port, s.max_message_bytes)
         for m in self.models:
             await m.start()
             self._switched(m)
+            if s.index_dir is not None and m.index.current() is None:
+                # Started anyway: a sidecar may come up before the catalog job's first publish (it
+                # polls and loads it); only Search waits, and this says why at once.
+                log.warning("%s: Search answers UNAVAILABLE until an index loads: %s", m.name, m.index.reason())
         loop = asyncio.get_running_loop()
         if s.warm_queries_file is not None:
             await self.warm_cache(s.warm_queries_file)
@@ -231,8 +249,11 @@ class Sidecar:
         s = self.settings.sidecar
         uds_path = prepare_unix_socket(s.uds_path) if s.uds_path is not None else None
         front = self._main_front = NativeFront(servicer, asyncio.get_running_loop(), backlog=s.transport_backlog)
-        self.grpc_port = await asyncio.to_thread(front.start, s.host, s.grpc_port, s.max_message_bytes,
-                                                 front_limits(s), unix=uds_path, tls=self.tls)
+        try:
+            self.grpc_port = await asyncio.to_thread(front.start, s.host, s.grpc_port, s.max_message_bytes,
+                                                     front_limits(s), unix=uds_path, tls=self.tls)
+        except OSError as exc:  # the front's bind failed (sidecar/native_front.py)
+            raise listen_error("--grpc-port", s.host, s.grpc_port, str(exc)) from exc
         if uds_path is not None:
             self.uds = restrict_unix_socket(uds_path)
 
@@ -308,7 +329,7 @@ class Sidecar:
         s = self.settings.sidecar
         app = create_app(self.service, self.metrics, max_body_bytes=max_bytes, serving=lambda: self.serving,
                          gate=self.http_gate, body_timeout_s=s.http_body_timeout_s)
-        sock = listen_tcp(host, port)
+        sock = listen_tcp(host, port, flag="--http-port")
         self.http_port = int(sock.getsockname()[1])
         limits = HttpLimits(header_timeout_s=s.http_header_timeout_s, max_connections=s.http_max_connections)
         # Connections are limited (and refused past it) by the protocol, not uvicorn's limit_concurrency,
@@ -421,6 +442,20 @@ class SidecarThread:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
+
+
+def check_index_dir(index_dir: Path | None) -> None:
+    """Refuse a sidecar.index_dir that cannot be an index root: nothing there (a typo: the sidecar would
+    serve, healthy, and fail every Search), a file, or one index version instead of the folder above it.
+    An existing folder without an index yet is accepted: the catalog job may publish into it later."""
+    if index_dir is None:
+        return
+    what = ("no such folder" if not index_dir.exists() else
+            "a file, not a folder" if not index_dir.is_dir() else
+            "one index version, not the index root above it" if (index_dir / MANIFEST_FILE).is_file() else None)
+    if what is not None:
+        raise InvalidInput(f"--index-dir {index_dir}: {what} (give the folder `embedcar catalog build` publishes "
+                           f"versions into, its --index-root)")
 
 
 @contextlib.contextmanager

@@ -7,12 +7,15 @@ import asyncio
 import json
 import logging
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inference.cli import add_model_flags
 from inference.flags import add_flags, flag_overrides
 from inference.settings import TritonSettings
 from sidecar.settings import Settings, SidecarSettings
+
+if TYPE_CHECKING:
+    from sidecar.app import Sidecar
 
 log = logging.getLogger("sidecar")
 
@@ -56,6 +59,11 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _search_state(sidecar: Sidecar) -> str:
+    index = sidecar.index.current()
+    return f", search {index.version}" if index is not None else ", search: no index yet (UNAVAILABLE until one loads)"
+
+
 async def _serve_async(settings: Settings) -> None:
     from sidecar.app import Sidecar
 
@@ -68,8 +76,8 @@ async def _serve_async(settings: Settings) -> None:
     print(f"sidecar ready: grpc {settings.sidecar.host}:{sidecar.grpc_port} ({sidecar.grpc_server})"
           f"{f', grpc {sidecar.uds_target}' if sidecar.uds_target is not None else ''}"
           f"{f', compiled grpc {settings.sidecar.host}:{sidecar.native_grpc_port}' if sidecar.native_grpc_port else ''}"
-          f"{f', http {settings.sidecar.host}:{sidecar.http_port}' if sidecar.http_port is not None else ''}",
-          flush=True)
+          f"{f', http {settings.sidecar.host}:{sidecar.http_port}' if sidecar.http_port is not None else ''}"
+          f"{_search_state(sidecar) if settings.sidecar.index_dir is not None else ''}", flush=True)
     await stop.wait()
     log.info("stopping: finishing in-flight requests (grace %.1f s)", settings.sidecar.grace_s)
     await sidecar.stop()

@@ -1,8 +1,9 @@
 """Python client for the sidecar (sync `Client`, async `AsyncClient`), one gRPC channel each.
 
     with Client("127.0.0.1:50051", api_key=...) as c:
-        r = c.embed(["oat milk"])          # r.embeddings: [1, 384] float32
-        s = c.search(["oat milk"], k=5)    # s.hits[0][0].id, .score, .fields, .legs
+        r = c.embed(["oat milk", "rye"])   # r.embeddings: [2, 384] float32
+        r = c.embed("oat milk")            # a str is one text: [1, 384]
+        s = c.search("oat milk", k=5)      # s.hits[0][0].id, .score, .fields, .legs
         t = c.search(["oat mi"], mode="hybrid")  # FAISS + lexical prefix search, fused
 
 A target is anything grpc dials: `host:port`, or `unix:/abs/path` (also `unix:///abs/path`) for the
@@ -83,13 +84,21 @@ def decode_search(reply: pb.SearchReply) -> SearchResult:
                         reply.backend)
 
 
-def embed_request(texts: Sequence[str], float16: bool, model: str | None = None) -> pb.EmbedRequest:
-    return pb.EmbedRequest(texts=list(texts), float16=float16, model=model or "")
+Texts = str | Sequence[str]  # what embed and search take: a str is one text, not its characters
 
 
-def search_request(texts: Sequence[str], k: int, department: str | None, aisle: str | None,
+def text_list(texts: Texts) -> list[str]:
+    """`texts` as the request's list: a str is one text (a str is also a Sequence[str], of its letters)."""
+    return [texts] if isinstance(texts, str) else list(texts)
+
+
+def embed_request(texts: Texts, float16: bool, model: str | None = None) -> pb.EmbedRequest:
+    return pb.EmbedRequest(texts=text_list(texts), float16=float16, model=model or "")
+
+
+def search_request(texts: Texts, k: int, department: str | None, aisle: str | None,
                    mode: SearchMode | str = SearchMode.SEMANTIC, model: str | None = None) -> pb.SearchRequest:
-    return pb.SearchRequest(texts=list(texts), k=k, department=department or "", aisle=aisle or "",
+    return pb.SearchRequest(texts=text_list(texts), k=k, department=department or "", aisle=aisle or "",
                             mode=parse_mode(mode).name, model=model or "")  # the enum label, e.g. "HYBRID"
 
 
@@ -261,7 +270,7 @@ class AsyncClient(_Calls):
         super().__init__(target, api_key, channel)
         self._session = StreamSession(self._stub, self._metadata) if stream else None
 
-    async def embed(self, texts: Sequence[str], *, float16: bool = False, model: str | None = None,
+    async def embed(self, texts: Texts, *, float16: bool = False, model: str | None = None,
                     timeout_s: float | None = None) -> EmbedResult:
         req = embed_request(texts, float16, model)
         if self._session is not None:
@@ -271,7 +280,7 @@ class AsyncClient(_Calls):
             reply = await self._stub.Embed(req, timeout=timeout_s, metadata=self._metadata)
         return decode_embed(reply)
 
-    async def search(self, texts: Sequence[str], *, k: int = 10, department: str | None = None,
+    async def search(self, texts: Texts, *, k: int = 10, department: str | None = None,
                      aisle: str | None = None, mode: SearchMode | str = SearchMode.SEMANTIC,
                      model: str | None = None, timeout_s: float | None = None) -> SearchResult:
         req = search_request(texts, k, department, aisle, mode, model)
@@ -300,14 +309,15 @@ class Client(_Calls):
                    else grpc.insecure_channel(target, options=_OPTIONS))
         super().__init__(target, api_key, channel)
 
-    def embed(self, texts: Sequence[str], *, float16: bool = False, model: str | None = None,
+    def embed(self, texts: Texts, *, float16: bool = False, model: str | None = None,
               timeout_s: float | None = None) -> EmbedResult:
-        """`model`: a served model's name or version id (None = the sidecar's default)."""
+        """`texts`: a list, or one str (one row back). `model`: a served model's name or version id (None =
+        the sidecar's default)."""
         with RPC_ERRORS:
             reply = self._stub.Embed(embed_request(texts, float16, model), timeout=timeout_s, metadata=self._metadata)
         return decode_embed(reply)
 
-    def search(self, texts: Sequence[str], *, k: int = 10, department: str | None = None,
+    def search(self, texts: Texts, *, k: int = 10, department: str | None = None,
                aisle: str | None = None, mode: SearchMode | str = SearchMode.SEMANTIC, model: str | None = None,
                timeout_s: float | None = None) -> SearchResult:
         with RPC_ERRORS:

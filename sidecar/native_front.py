@@ -160,10 +160,14 @@ class NativeFront:
         self._module = module
         pems = {"key_pem": tls.private_key, "cert_pem": tls.cert_chain, "client_ca_pem": tls.client_ca} if tls else {}
         with _library_env(), owner_only_files() if unix is not None else contextlib.nullcontext():
-            self._front = module.Front(grpc_address(host, port), max_message_bytes, self._on_call,
-                                       served=tuple(METHODS), streamed=(STREAM, REFLECTION),
-                                       unix=str(unix) if unix is not None else None, options=limits.options,
-                                       memory_bytes=limits.memory_bytes, max_owed=limits.max_owed, **pems)
+            try:
+                self._front = module.Front(grpc_address(host, port), max_message_bytes, self._on_call,
+                                           served=tuple(METHODS), streamed=(STREAM, REFLECTION),
+                                           unix=str(unix) if unix is not None else None, options=limits.options,
+                                           memory_bytes=limits.memory_bytes, max_owed=limits.max_owed, **pems)
+            except OSError as exc:  # gRPC's C++ builder gives no reason: say what it usually is
+                raise OSError(f"the compiled gRPC front could not bind it{f' or unix:{unix}' if unix else ''} "
+                              f"(in use, or not an address of this host)") from exc
         self.port = int(self._front.port)
         return self.port
 
