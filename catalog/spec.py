@@ -22,6 +22,7 @@ class BuildSpec:
     id_field: str = "id"
     text_fields: tuple[str, ...] = ("title",)
     limit: int | None = None
+    delimiter: str | None = None  # a CSV's field separator; None = sniffed (catalog/sources.py)
     index_type: str | None = None  # None = settings.catalog.index_type
     shard: tuple[int, int] = (0, 1)  # (i, n): this worker embeds rows whose id hashes to i mod n
 
