@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,6 +210,9 @@ class EmbedderServicer:
                 left[0] = True
                 gate.leave()
 
+        def leaving(left: list[bool]) -> Callable[[asyncio.Task[None]], None]:
+            return lambda _task: leave(left)
+
         async def answer(raw: bytes, left: list[bool]) -> None:
             try:
                 reply = await self.stream_one(raw, key, stream_deadline)
@@ -234,7 +237,7 @@ class EmbedderServicer:
                     left = [False]
                     task = tasks.create_task(answer(raw, left))
                     # also a callback: a task cancelled before it ran leaves the gate too
-                    task.add_done_callback(lambda _t, left=left: leave(left))
+                    task.add_done_callback(leaving(left))
                 else:
                     try:
                         await refuse(raw, refused)
