@@ -30,6 +30,13 @@ def _common(p: argparse.ArgumentParser, *, source: bool = True) -> None:
     add_model_flags(p)
 
 
+def _publish_checks(p: argparse.ArgumentParser) -> None:
+    """The publish checks' limits and the way past them (build and merge)."""
+    add_flags(p, "catalog", CatalogSettings, "max_bad_share", "max_bad_rows", "min_count_share")
+    p.add_argument("--force", action="store_true",
+                   help="publish even if the publish checks fail (recorded in the version's manifest)")
+
+
 def _settings(args: argparse.Namespace) -> Settings:
     return Settings.load(overrides=flag_overrides(args))
 
@@ -52,11 +59,13 @@ def register(sub: Any) -> None:
                    help="embedded ONNX Runtime or Triton (EMBEDCAR_TRITON_URLS)")
     add_flags(b, "catalog", CatalogSettings, "engine", "ray_address", "ray_actors")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _publish_checks(b)
     b.set_defaults(func=_build)
 
     m = csub.add_parser("merge", help="merge the n shards of `build --shard i/n` into one index version")
     _common(m)
     m.add_argument("--shards", type=int, required=True, help="n, as given to --shard i/n")
+    _publish_checks(m)
     m.set_defaults(func=_merge)
 
     g = csub.add_parser("generate", help="synthetic products learnt from the real catalog (flagged generated)")
@@ -115,7 +124,8 @@ def _build(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     spec = _spec(args, settings, parse_shard(args.shard))
-    summary = asyncio.run(build(settings, spec, backend_kind=args.backend, progress=not args.no_progress))
+    summary = asyncio.run(build(settings, spec, backend_kind=args.backend, progress=not args.no_progress,
+                                force=args.force))
     print(summary.describe())
     for bad in summary.bad_rows[:20]:
         print(f"  skipped line {bad.line}: {bad.reason}")
@@ -128,7 +138,7 @@ def _merge(args: argparse.Namespace) -> int:
     from catalog.job import merge
 
     settings = _settings(args)
-    summary = merge(settings, _spec(args, settings, (0, args.shards)))
+    summary = merge(settings, _spec(args, settings, (0, args.shards)), force=args.force)
     print(summary.describe())
     return 0
 

@@ -9,7 +9,10 @@ queries) -> a versioned FAISS index, published atomically. `build` reads as the 
                           catalog/ray_engine.py   or the same chunks on a Ray Data actor pool (engine=ray)
     checkpoint            catalog/checkpoints.py  one file per chunk, resumable (catalog/lock.py: one worker)
     calibrate             catalog/calibration.py  query-like texts to tune an approximate index
-    build index, publish  catalog/publish.py      FAISS (catalog/index.py) -> version folder (catalog/store.py)
+    check, build index, publish
+                          catalog/publish.py      publish checks (bad rows, item count vs the current version),
+                                                  FAISS (catalog/index.py) -> version folder (catalog/store.py),
+                                                  or a held one when the checks fail (not made current)
                           catalog/shards.py       or, with n > 1, this worker's share for `merge`
 """
 
@@ -33,7 +36,7 @@ from catalog.checkpoints import WORK_DIR, Checkpoints
 from catalog.embedding import ChunkedEmbedder
 from catalog.index import resolve_type
 from catalog.lock import exclusive
-from catalog.publish import publish_index
+from catalog.publish import PublishChecks, check_build, check_limits, publish_index
 from catalog.settings import ENGINES, Settings
 from catalog.shards import gather_shards, group_dir, publish_shard, select_shard
 from catalog.sources import BadRow, Loaded, Product, compose_text, read_path
@@ -42,7 +45,7 @@ from inference.aio import run_sync
 from inference.backends.base import Backend
 from inference.backends.factory import make_backend
 from inference.embedder import load_tokenizer
-from inference.errors import InvalidInput
+from inference.errors import FailedPrecondition, InvalidInput
 from inference.manifest import load_manifest
 from inference.tokenizer import QueryTokenizer
 
@@ -68,12 +71,16 @@ class BuildSummary:
     version_dir: Path | None = None  # published version (unsharded build or merge)
     shard_dir: Path | None = None  # shard output (build with --shard i/n, n > 1)
     index: dict[str, Any] = field(default_factory=dict)
+    checks: PublishChecks | None = None  # None for a shard (the merge checks the whole)
 
     def describe(self) -> str:
         where = self.version_dir or self.shard_dir
         resumed = f", resumed {self.resumed_chunks} chunks" if self.resumed_chunks else ""
+        forced = ""
+        if self.checks is not None and not self.checks.passed:
+            forced = f" (published with --force despite: {'; '.join(self.checks.failures)})"
         return (f"{self.items} items embedded, {self.skipped} bad rows skipped, {self.seconds:.1f} s "
-                f"({self.items_per_s:.0f} items/s embedding{resumed}) -> {where}")
+                f"({self.items_per_s:.0f} items/s embedding{resumed}) -> {where}{forced}")
 
 
 def job_backend(settings: Settings, kind: str = "embedded") -> Backend:
@@ -84,14 +91,16 @@ def job_backend(settings: Settings, kind: str = "embedded") -> Backend:
 
 async def build(settings: Settings, spec: BuildSpec, *, backend: Backend | None = None,
                 backend_kind: str = "embedded", loaded: Loaded | None = None, progress: bool = True,
-                on_chunk: Callable[[int], None] | None = None) -> BuildSummary:
+                on_chunk: Callable[[int], None] | None = None, force: bool = False) -> BuildSummary:
     """Embed `spec.source` and publish a new index version (or, with a shard n > 1, a shard).
 
-    `backend` is used as given (and left open); None = one of `backend_kind`, closed at the end.
-    `on_chunk(k)` runs after chunk k is checkpointed (tests inject crashes there)."""
+    A version that fails its publish checks is written aside, not made current, and FailedPrecondition
+    says why, unless `force`. `backend` is used as given (and left open); None = one of `backend_kind`,
+    closed at the end. `on_chunk(k)` runs after chunk k is checkpointed (tests inject crashes there)."""
     t0 = time.perf_counter()
     started = _now()
     cs = settings.catalog
+    check_limits(cs)
     loaded = loaded or _read(spec)
     if loaded.bad:
         log.warning("%s", loaded.summary())
@@ -135,8 +144,14 @@ async def build(settings: Settings, spec: BuildSpec, *, backend: Backend | None 
                            items_per_s=emb.embedded_items / max(emb.embed_seconds, 1e-9), model_id=model_id,
                            resumed_chunks=emb.resumed_chunks)
     if n == 1:
+        summary.checks = check_build(settings, items=len(sel.products), bad=loaded.bad, model_id=model_id,
+                                     force=force)
         summary.version_dir, summary.index = publish_index(settings, vectors, sel.products, meta,
-                                                           index_type=spec.index_type, calibration=calibration)
+                                                           index_type=spec.index_type, calibration=calibration,
+                                                           checks=summary.checks)
+        if not summary.checks.servable:  # the checkpoints stay, so the --force run resumes, not re-embeds
+            raise FailedPrecondition(summary.checks.refusal(summary.version_dir, "rerun the build with --force "
+                                                            "(it resumes from this run's embeddings)"))
     else:
         summary.shard_dir = publish_shard(group_dir(settings, spec, loaded, model_id), spec.shard, vectors, sel,
                                           meta)
@@ -146,10 +161,12 @@ async def build(settings: Settings, spec: BuildSpec, *, backend: Backend | None 
 
 
 def merge(settings: Settings, spec: BuildSpec, *, loaded: Loaded | None = None,
-          model_id: str | None = None) -> BuildSummary:
-    """Concatenate the n shards of `spec.source` (in source order) and publish one index version."""
+          model_id: str | None = None, force: bool = False) -> BuildSummary:
+    """Concatenate the n shards of `spec.source` (in source order) and publish one index version,
+    checked as `build` checks one (held and FailedPrecondition on failure, unless `force`)."""
     t0 = time.perf_counter()
     started = _now()
+    check_limits(settings.catalog)
     loaded = loaded or _read(spec)
     if model_id is None:
         model_id = _configured_model_id(settings)
@@ -159,13 +176,16 @@ def merge(settings: Settings, spec: BuildSpec, *, loaded: Loaded | None = None,
     calibration = None
     if _approximate(settings, spec, len(shards.products)):
         calibration = run_sync(_merge_calibration(settings, shards.products, spec.text_fields, model_id))
+    checks = check_build(settings, items=len(shards.products), bad=loaded.bad, model_id=model_id, force=force)
     version, params = publish_index(settings, shards.vectors, shards.products, meta, index_type=spec.index_type,
-                                    calibration=calibration)
+                                    calibration=calibration, checks=checks)
+    if not checks.servable:  # the shards stay, so the --force merge needs no shard rebuilt
+        raise FailedPrecondition(checks.refusal(version, "rerun the merge with --force"))
     shutil.rmtree(group, ignore_errors=True)
     return BuildSummary(items=len(shards.products), skipped=len(loaded.bad), bad_rows=loaded.bad,
                         seconds=time.perf_counter() - t0, embed_seconds=shards.embed_seconds,
                         items_per_s=len(shards.products) / max(shards.embed_seconds, 1e-9), model_id=model_id,
-                        version_dir=version, index=params)
+                        version_dir=version, index=params, checks=checks)
 
 
 def ensure_index(settings: Settings, spec: BuildSpec, *, backend: Backend | None = None,

@@ -43,6 +43,16 @@ class CatalogSettings:
     hnsw_ef_construction: int = setting(80, "HNSW build breadth (slow on CPU: ~6 min for 200k items on 2 cores).",
                                          min=1)
     chunk_items: int = setting(4096, "Batch job checkpoint granularity: items per chunk file.", min=1)
+    # Publish checks (catalog/publish.py): a build failing one is written aside, not made current.
+    max_bad_share: float = setting(
+        0.01, "Publish check: a build whose bad rows (skipped) are more than this share of the rows read, and "
+        "more than max_bad_rows, is held back (written aside, not published; --force publishes it).", min=0, max=1)
+    max_bad_rows: int = setting(
+        10, "Publish check: bad rows a build may always skip whatever their share (a small file's few broken "
+        "rows); 0 with max_bad_share 0 = none.", min=0)
+    min_count_share: float = setting(
+        0.5, "Publish check: a build with fewer items than this share of the current version's is held back "
+        "(a catalog does not halve overnight; a truncated or misread file does). 0 = off.", min=0, max=1)
     engine: str = setting("local", "Batch job engine: local (this process) or ray (a Ray Data actor pool, same "
                           "vectors and checkpoints).", choices=ENGINES)
     ray_address: str = setting("", "engine=ray: a running Ray cluster's address; empty = a local Ray sized to "

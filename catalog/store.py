@@ -4,12 +4,18 @@ Layout under an index root:
     v-<UTC timestamp>-<rand>/   one complete version: manifest.json, index.faiss, embeddings.npy,
                                 products.parquet (row i of each belongs to vector i), lexical/
                                 (tantivy, documents keyed by row; absent in older versions)
+    held-v-<...>/               a complete version the job held back: it failed its publish checks
+                                (catalog/publish.py), so it is written but never current
     .tmp-*/                     versions being written (never read)
     .work/ .shards/             batch-job checkpoints and shard outputs
 
 A version is written into a hidden temp folder, every file fsynced, then renamed to its final
 name in one step: a reader sees a complete version or none, and a crash mid-build leaves the
 previous version serving. Names sort by build time, so "newest" is the greatest name.
+
+A held version is kept out of readers' sight twice: its folder lacks the `v-` prefix every reader
+lists (a sidecar of any age never sees it), and its manifest's `checks` say it failed, so a copy
+renamed into place by hand is still not served (`refusal`): `catalog build --force` publishes.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 from inference.errors import ModelError, NotFound
 
 VERSION_PREFIX = "v-"
+HELD_PREFIX = "held-"  # + a version name
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.faiss"
 VECTORS_FILE = "embeddings.npy"
@@ -59,17 +66,51 @@ def read_manifest(version_dir: Path) -> dict[str, Any]:
     return data
 
 
+def refusal(manifest: dict[str, Any]) -> str | None:
+    """Why a version must not be served (it failed its publish checks and was not forced), or None.
+    Versions written before the checks existed have none: servable."""
+    checks = manifest.get("checks")
+    if not isinstance(checks, dict) or checks.get("passed", True) or checks.get("forced"):
+        return None
+    return "it failed its publish checks: " + "; ".join(checks.get("failures") or ["no reason recorded"])
+
+
 def newest_version(root: Path, *, model_id: str | None = None) -> Path | None:
-    """The newest complete version (of `model_id`, when given)."""
+    """The current version: the newest complete one (of `model_id`, when given) that may be served."""
     for v in reversed(complete_versions(root)):
-        if model_id is None:
-            return v
         try:
-            if read_manifest(v).get("model_id") == model_id:
-                return v
+            manifest = read_manifest(v)
+        except (NotFound, ModelError):
+            if model_id is None:
+                return v  # unreadable: the reader that opens it reports why
+            continue
+        if (model_id is None or manifest.get("model_id") == model_id) and refusal(manifest) is None:
+            return v
+    return None
+
+
+def held_name(name: str) -> str:
+    return HELD_PREFIX + name
+
+
+def refused_versions(root: Path, *, model_id: str | None = None, newer_than: str = "") -> list[tuple[Path, str]]:
+    """Versions written but not servable (held ones, and any whose manifest says it failed its
+    checks) built after the version named `newer_than`, oldest first, each with the reason."""
+    if not root.is_dir():
+        return []
+    out: list[tuple[Path, str]] = []
+    for p in root.iterdir():
+        stamp = p.name.removeprefix(HELD_PREFIX)
+        if not (stamp.startswith(VERSION_PREFIX) and stamp > newer_than and (p / MANIFEST_FILE).is_file()):
+            continue
+        try:
+            manifest = read_manifest(p)
         except (NotFound, ModelError):
             continue
-    return None
+        why = refusal(manifest) or ("it was held back" if p.name != stamp else None)
+        if why is not None and (model_id is None or manifest.get("model_id") == model_id):
+            out.append((p, why))
+    return sorted(out, key=lambda pw: pw[0].name.removeprefix(HELD_PREFIX))
 
 
 def fsync_tree(path: Path) -> None:
@@ -124,6 +165,18 @@ def prune(root: Path, *, keep: int) -> list[Path]:
     old = sorted(v for vs in by_model.values() for v in (vs[:-keep] if keep > 0 else []))
     for v in old:
         # Rename first so a half-deleted version never looks complete.
+        hidden = v.with_name(f".del-{v.name}")
+        v.rename(hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
+    return old
+
+
+def prune_held(root: Path, *, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` held versions: they are kept to inspect or force, and each
+    is as large as a version (they never count against the live versions `prune` keeps)."""
+    held = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(HELD_PREFIX + VERSION_PREFIX))
+    old = held[:-keep] if keep > 0 else held
+    for v in old:
         hidden = v.with_name(f".del-{v.name}")
         v.rename(hidden)
         shutil.rmtree(hidden, ignore_errors=True)

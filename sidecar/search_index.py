@@ -3,6 +3,10 @@
 catalog.index is imported lazily: a sidecar that only embeds does not need FAISS. Both legs of a
 hybrid search run in one worker call, one after the other: the lexical leg costs ~0.1 ms, less
 than a second thread hop would, and both read the same loaded version.
+
+A version the catalog job held back (it failed its publish checks, catalog/publish.py) is never
+swapped in (catalog/store.py keeps it from `newest_version`); the watcher logs a WARNING once per such
+version newer than the one it serves, so an operator sees why a fresh build did not go live.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from catalog import store
 from catalog.fusion import SearchMode
 from catalog.settings import CatalogSettings
 from inference.errors import EmbedcarError, FailedPrecondition, Internal, Unavailable
@@ -46,6 +51,7 @@ class IndexHolder:
         # FAISS calls hold the GIL only briefly, but one flat search is ~3 ms: keep it off the loop.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="search")
         self._task: asyncio.Task[None] | None = None
+        self._warned: set[str] = set()  # refused versions already logged
 
     def current(self) -> ProductIndex | None:
         return self._index
@@ -87,6 +93,11 @@ class IndexHolder:
         except EmbedcarError as exc:
             self._why = exc.message
             self._retry_helps = isinstance(exc, Unavailable)
+            with contextlib.suppress(OSError):  # the reason is a courtesy: never a failed start
+                held = await asyncio.to_thread(store.refused_versions, root, model_id=self._expected)
+                if held:
+                    path, why = held[-1]
+                    self._why += f" ({path.name} was not published: {why})"
 
     def _loaded(self) -> None:
         if self._on_load is not None:
@@ -104,8 +115,21 @@ class IndexHolder:
                     self._index = newer
                     log.info("product index reloaded: version %s", newer.version)
                     self._loaded()
+                await asyncio.to_thread(self._warn_refused)
             except Exception:  # keep serving the version we have
                 log.exception("product index reload failed")
+
+    def _warn_refused(self) -> None:
+        """A WARNING, once each, for versions newer than the served one that it will not swap to."""
+        root = self._root if self._index is None else self._index.index_root
+        if root is None:
+            return
+        serving = self._index.version if self._index is not None else ""
+        for path, why in store.refused_versions(root, model_id=self._expected, newer_than=serving):
+            if path.name not in self._warned:
+                self._warned.add(path.name)
+                log.warning("not swapping to product index %s: %s; still serving %s", path.name, why,
+                            serving or "no index")
 
     async def search(self, index: ProductIndex, queries: np.ndarray, k: int, *, department: str | None,
                      aisle: str | None) -> list[list[Hit]]:
