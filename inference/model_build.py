@@ -6,8 +6,10 @@ on one mixed-length batch of real texts, with the model's own prompts, against t
 would compare with: sentence-transformers' `encode` where the library and the folder's module files
 are there, else PyTorch's hidden states through the same head. fp32 must agree (max abs diff <= 1e-3
 on hidden states, cos >= 0.9999 on embeddings) or the model is refused; fp16 (>= 0.999) and int8
-(>= 0.98) are left out when they miss, with their figures in the manifest. An ONNX folder is checked
-the same way against its own graph (there is no PyTorch model to compare with).
+(>= 0.98) are left out when they miss, with their figures in the manifest. fp32 and int8 are also
+checked for batch independence (each text alone vs in mixed batches padded to other lengths): int8
+is left out when a text's vector moves with its batch-mates. An ONNX folder is checked the same way
+against its own graph (there is no PyTorch model to compare with).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +74,41 @@ def _ours(graph: runtimes.Graph, tok: _Tok, head: Head, role: str, texts: tuple[
     batch = qt.batch(qt.encode(list(texts)).ids)
     hidden = graph.hidden({k: v for k, v in batch.arrays().items() if k in graph.inputs})
     return head(hidden, batch.attention_mask, input_ids=batch.input_ids, skip=batch.pool_skip)
+
+
+# Batch-mates for the batch check: a one-word text and a long one (a larger bucket, more padding).
+BATCH_MATES = ("tea", "family size value pack of organic whole grain gluten free breakfast cereal with "
+               "almonds and honey clusters, no artificial colours or flavours, 12 boxes of 14 ounces each")
+
+
+def batch_drift(graph: runtimes.Graph, qt: QueryTokenizer, head: Head, texts: Sequence[str]) -> dict[str, float]:
+    """Each text alone (exact length, no padding) against the same text in mixed batches padded to
+    other lengths: the largest component difference of the unit vectors and the smallest cosine."""
+    ids = qt.encode(list(texts)).ids
+
+    def unit(rows: list[list[int]], length: int | None = None) -> npt.NDArray[np.float32]:
+        batch = qt.batch(rows, length)
+        hidden = graph.hidden({k: v for k, v in batch.arrays().items() if k in graph.inputs})
+        emb = head(hidden, batch.attention_mask, input_ids=batch.input_ids, skip=batch.pool_skip)
+        return np.asarray(emb / np.linalg.norm(emb, axis=1, keepdims=True), dtype=np.float32)
+
+    alone = np.vstack([unit([x], len(x)) for x in ids])
+    mates = qt.encode(list(BATCH_MATES)).ids
+    together = unit(ids)  # one batch, padded to its longest's bucket
+    mixed = unit([mates[1], *ids[::-1], mates[0]])[1:-1][::-1]  # reversed, a longer bucket
+    diff = max(float(np.abs(together - alone).max()), float(np.abs(mixed - alone).max()))
+    cos = min(float((together * alone).sum(axis=1).min()), float((mixed * alone).sum(axis=1).min()))
+    return {"batch_max_abs": diff, "batch_min_cos": cos}
+
+
+def calibration_feeds(tok: _Tok, inputs: tuple[str, ...], batch_size: int = 32) -> Iterator[export.Feed]:
+    """The int8 calibration texts as the served path tokenizes them (each role with its prompt), in
+    batches by length."""
+    for role, texts in export.calibration_texts().items():
+        qt = tok.for_role(role)
+        ids = sorted(qt.encode(texts).ids, key=len)
+        for i in range(0, len(ids), batch_size):
+            yield {k: v for k, v in qt.batch(ids[i : i + batch_size]).arrays().items() if k in inputs}
 
 
 def prompt_length(tokenizer_file: Path, prompt: str, special_ids: set[int]) -> int:
@@ -172,6 +209,8 @@ def build_model_dir(src: Path, out: Path, *, name: str, source: dict[str, str] |
             got["max_abs_diff"] = export.hidden_diff(path, ref_hidden, feed)
         graph = runtimes.open_graph(path, precision, 0)  # once for every role
         got["min_cos"] = min(float(export.cosines(_ours(graph, tok, head, r, texts), refs[r]).min()) for r in refs)
+        if precision in ("fp32", "int8"):
+            got.update(batch_drift(graph, tok.for_role("query"), head, texts))
         return got
 
     checks: dict[str, dict[str, float]] = {}
@@ -193,7 +232,10 @@ def build_model_dir(src: Path, out: Path, *, name: str, source: dict[str, str] |
 
     files = {"fp32": (fp32, "fp32", fused)}
     refused: dict[str, dict[str, float]] = {}
-    for precision, convert in (("fp16", export.convert_fp16), ("int8", export.quantize_int8)):
+    def int8(src: Path, dst: Path) -> None:
+        export.quantize_int8(src, dst, list(calibration_feeds(tok, inputs)))
+
+    for precision, convert in (("fp16", export.convert_fp16), ("int8", int8)):
         path = out / f"model.{precision}.onnx"
         try:
             convert(fp32, path)
@@ -210,8 +252,9 @@ def build_model_dir(src: Path, out: Path, *, name: str, source: dict[str, str] |
         else:
             refused[precision] = got
             path.unlink()
+            batch = f" and batch max abs <= {export.BATCH_MAX_ABS}" if precision == "int8" else ""
             say(f"{precision} variant refused: {_fmt(got)} vs {ref_name}, needs min cos >= "
-                f"{export.MIN_COS[precision]}")
+                f"{export.MIN_COS[precision]}{batch}")
     bf16 = _bf16_variant(fp32, raw.path, out / "model.bf16.onnx", figures, say, ref_name)
     if bf16 is not None:
         bf16_file, got = bf16
@@ -227,7 +270,8 @@ def build_model_dir(src: Path, out: Path, *, name: str, source: dict[str, str] |
         save_dense(out / DENSE_FILE, dense)
         dense_file, dense_sha = DENSE_FILE, sha256_file(out / DENSE_FILE)
     default = "int8" if "int8" in files else "fp32"
-    reason = (f"int8 within its tolerance (min cos {checks['int8']['min_cos']:.4f} >= {export.MIN_COS['int8']})"
+    reason = (f"int8 within its tolerance (min cos {checks['int8']['min_cos']:.4f} >= {export.MIN_COS['int8']}, "
+              f"batch max abs {checks['int8']['batch_max_abs']:.1e} <= {export.BATCH_MAX_ABS})"
               if default == "int8" else "int8 refused: fp32, the exact model")
     weights = next((src / w for w in WEIGHT_FILES if (src / w).exists()), folder.onnx_file)
     manifest = Manifest(
@@ -319,6 +363,8 @@ def _fmt(figures: dict[str, float]) -> str:
     if "max_abs_diff" in figures:
         parts.append(f"max abs diff {figures['max_abs_diff']:.1e}")
     parts.append(f"min cos {figures['min_cos']:.6f}")
+    if "batch_max_abs" in figures:
+        parts.append(f"alone vs in a batch max abs {figures['batch_max_abs']:.1e}")
     return ", ".join(parts)
 
 

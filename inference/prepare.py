@@ -52,6 +52,9 @@ def prepare_model(models_dir: Path, name: str, *, force: bool = False, from_dir:
         problems = verify_files(dest, m)
         if digest is not None and m.source.get("folder_digest") != digest:
             problems.append(f"it was prepared from another folder or with other options than {from_dir}")
+        if "int8" in m.variants and "batch_max_abs" not in m.variants["int8"].check:
+            problems.append("its int8 variant predates the batch check (dynamic quantization: a vector moved with "
+                            "its batch-mates)")
         if not problems:
             say(f"model {m.version_id} already prepared in {dest}: nothing to do")
             return m
