@@ -13,7 +13,8 @@ ENGINES = ("local", "ray")  # catalog/job.py (local) and catalog/ray_engine.py
 
 @dataclass(frozen=True, slots=True)
 class CatalogSettings:
-    index_root: Path = setting(Path("indexes/grocery"), "Folder of versioned index directories.")
+    index_root: Path = setting(Path("indexes/grocery"), "Folder of versioned index directories; relative: under "
+                               "the data home (EMBEDCAR_HOME).", home=True)
     index_type: str = setting("auto", "auto, flat (exact), hnsw, ivf, or ivfpq (IVF-PQ + a re-rank copy: compressed).")
     ivf_nprobe: int = setting(0, "IVF lists probed per query; 0 = the value measured at build time.", min=0)
     hnsw_m: int = setting(32, "HNSW graph degree.", min=2)

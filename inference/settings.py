@@ -15,6 +15,13 @@ no module imports upward and code names only the sections it may read:
 
 A process builds the `Settings` of the top layer it runs; a higher one passes wherever a lower one
 is asked for.
+
+Data folders (models, indexes, Triton's generated repository; fields made with `home=True`) default to
+folders of the data home, so every command finds them from any working folder: `EMBEDCAR_HOME`, else
+the checkout this code runs from (`make demo` prepares its model there), else the current folder when
+it is a checkout (the container's /app), else a per-user data folder (`$XDG_DATA_HOME/embedcar`,
+`~/.local/share/embedcar`). A path given by a variable or a flag is taken as given (relative to the
+current folder).
 """
 
 from __future__ import annotations
@@ -30,19 +37,42 @@ from typing import Any, Self
 
 from inference.errors import InvalidInput
 
+HOME_ENV = "EMBEDCAR_HOME"
+_CODE_ROOT = Path(__file__).resolve().parent.parent  # the checkout, when the code runs from one
 PORT_MAX = 65535  # a TCP port is 16 bits: the OS wraps a larger number (99999 -> 34463) or refuses it
 
 
 def setting(default: Any, doc: str, *, secret: bool = False, flag: str | None = None,
-            choices: tuple[str, ...] | None = None, min: float | None = None, max: float | None = None) -> Any:
+            choices: tuple[str, ...] | None = None, min: float | None = None, max: float | None = None,
+            home: bool = False) -> Any:
     """A documented settings field. `flag`: its CLI flag name where that differs from the field's
     (e.g. `--threads` for model.intra_op_threads); `choices`: the values its flag accepts; `min`/`max`:
     the inclusive range of a number (of each item of a tuple), checked when `Settings.load` reads a
     variable or a flag (a typo'd port or a negative count is refused there, in one line, rather than
-    wrapped by the OS or failing later)."""
+    wrapped by the OS or failing later); `home`: a data folder, its relative default under the data
+    home (module docstring)."""
     # repr=False for secrets: a settings object in a log line or a traceback must not show them.
     return field(default=default, repr=not secret,
-                 metadata={"doc": doc, "secret": secret, "flag": flag, "choices": choices, "min": min, "max": max})
+                 metadata={"doc": doc, "secret": secret, "flag": flag, "choices": choices, "min": min, "max": max,
+                           "home": home})
+
+
+def _is_checkout(folder: Path) -> bool:
+    return (folder / "pyproject.toml").is_file() and (folder / "inference" / "settings.py").is_file()
+
+
+def data_home(environ: Mapping[str, str], *, code_root: Path = _CODE_ROOT, cwd: Path | None = None) -> Path:
+    """Where data folders live by default (module docstring), as an absolute path."""
+    cwd = Path.cwd() if cwd is None else cwd
+    if environ.get(HOME_ENV):
+        return cwd / Path(environ[HOME_ENV]).expanduser()
+    if _is_checkout(code_root):
+        return code_root
+    if _is_checkout(cwd):
+        return cwd
+    xdg = environ.get("XDG_DATA_HOME", "")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "share"
+    return base / "embedcar"
 
 
 def env_name(section: str, name: str) -> str:
@@ -90,7 +120,8 @@ def _num(v: float) -> str:
 
 @dataclass(frozen=True, slots=True)
 class ModelSettings:
-    models_dir: Path = setting(Path("models"), "Folder holding prepared model directories (git-ignored).")
+    models_dir: Path = setting(Path("models"), "Folder holding prepared model directories (git-ignored); "
+                               "relative: under the data home (EMBEDCAR_HOME).", home=True)
     name: str = setting("all-MiniLM-L6-v2", "Model directory name under models_dir.", flag="model")
     variant: str = setting(
         "", "ONNX variant to serve; empty = the model's own default, chosen when it was prepared and "
@@ -165,7 +196,7 @@ class TritonSettings:
     urls: tuple[str, ...] = setting(
         ("127.0.0.1:8001",), "Triton gRPC addresses the client spreads requests over.", flag="triton-url"
     )
-    repo_dir: Path = setting(Path("var/triton/repo"), "Generated model repository.", flag="out")
+    repo_dir: Path = setting(Path("var/triton/repo"), "Generated model repository.", flag="out", home=True)
     target: str = setting("cpu", "Model repository target: cpu (ORT in Python backend) or gpu.",
                           choices=("cpu", "gpu"))
     max_queue_delay_us: int = setting(
@@ -183,8 +214,9 @@ class TritonSettings:
         "execution (and accepts in one request).", min=1
     )
     timeout_ms: int = setting(2000, "gRPC deadline and Triton server-side timeout per request.", min=1)
-    engine_cache_dir: Path = setting(Path("var/trt-engines"), "Cache of TensorRT engines.")
-    backend_dir: Path = setting(Path("var/triton/backends"), "Assembled backend directory (Python backend + stub).")
+    engine_cache_dir: Path = setting(Path("var/trt-engines"), "Cache of TensorRT engines.", home=True)
+    backend_dir: Path = setting(Path("var/triton/backends"), "Assembled backend directory (Python backend + stub).",
+                                home=True)
     ort_threads: int = setting(0, "ORT intra-op threads per CPU encoder instance; 0 = cores / instances.", min=0)
     ort_spinning: bool = setting(
         False, "CPU target: let the ORT threads inside the Python-backend encoder spin between ops (off: "
@@ -244,6 +276,7 @@ class Settings:
     ) -> Self:
         """Defaults, then `EMBEDCAR_*` variables, then explicit overrides (CLI flags)."""
         env = os.environ if environ is None else environ
+        home: Path | None = None
         sections: dict[str, Any] = {}
         for sec in dataclasses.fields(cls):
             sec_cls = typing.get_type_hints(cls)[sec.name]
@@ -260,6 +293,12 @@ class Settings:
                     if name in fields:  # an unknown name fails in the constructor below, as before
                         check_range(fields[name], value, flag_name(fields[name]))
                     values[name] = value
+            for f in fields.values():
+                default = f.default
+                if f.metadata.get("home") and f.name not in values and isinstance(default, Path) \
+                        and not default.is_absolute():
+                    home = data_home(env) if home is None else home
+                    values[f.name] = home / default
             sections[sec.name] = sec_cls(**values)
         return cls(**sections)
 
