@@ -17,6 +17,17 @@ from inference.errors import InvalidInput, NotFound
 from inference.flags import add_flags, flag_overrides
 
 
+def _count(text: str) -> int:
+    """A --limit: a whole number of at least 1 (argparse says so in one line otherwise)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is out of range: at least 1")
+    return n
+
+
 def _common(p: argparse.ArgumentParser, *, source: bool = True) -> None:
     if source:
         p.add_argument("source", nargs="?", default=GROCERY_SOURCE,
@@ -25,7 +36,7 @@ def _common(p: argparse.ArgumentParser, *, source: bool = True) -> None:
         p.add_argument("--delimiter", default=None,
                        help="a CSV's field separator: ',', ';', '|', 'tab' ... (default: sniffed from its header)")
         add_flags(p, "catalog", CatalogSettings, "text_fields")
-        p.add_argument("--limit", type=int, default=None, help="only the first N valid rows")
+        p.add_argument("--limit", type=_count, default=None, help="only the first N valid rows")
     add_flags(p, "catalog", CatalogSettings, "index_root", "index_type", "batch_size", "in_flight")
     add_model_flags(p)
 
@@ -104,7 +115,7 @@ def register(sub: Any) -> None:
     _common(q, source=False)
     q.add_argument("--variants", default="fp32,int8", help="comma-separated ONNX variants")
     q.add_argument("--poolings", default="mean,mean_excluding_special", help="comma-separated pooling modes")
-    q.add_argument("--limit", type=int, default=None, help="only the first N products (default: all 49,688)")
+    q.add_argument("--limit", type=_count, default=None, help="only the first N products (default: all 49,688)")
     q.add_argument("--known-items", type=int, default=1000, help="known-item queries")
     q.add_argument("--seed", type=int, default=0, help="which known-item queries are drawn")
     q.add_argument("--ann", default="ivf,hnsw", help="approximate index types to compare with exact")

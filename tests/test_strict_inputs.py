@@ -116,6 +116,12 @@ def test_serve_refuses_out_of_range_numbers_in_one_line(args: tuple[str, ...], e
     assert message in one_line_error(embedcar("sidecar", "serve", *args, env=env))
 
 
+@pytest.mark.parametrize("args", [("build", "products.csv"), ("quality",)])
+def test_a_catalog_limit_under_one_is_refused(args: tuple[str, ...]) -> None:
+    p = embedcar("catalog", *args, "--limit", "-1")
+    assert p.returncode == 2 and "argument --limit: -1 is out of range: at least 1" in p.stderr, p.stderr
+
+
 @pytest.fixture
 def busy_port() -> Iterator[int]:
     """A port another program listens on."""
