@@ -88,3 +88,41 @@ def test_prepare_refuses_a_batch_dependent_int8(tmp_path: Path, monkeypatch: pyt
     assert "int8" not in m.variants and m.default_variant == "fp32"
     assert m.refused["int8"]["batch_max_abs"] > export.BATCH_MAX_ABS
     assert any("int8 variant refused" in s and "batch max abs" in s for s in said), said
+
+
+def test_a_model_with_the_old_int8_is_prepared_again(tmp_path: Path) -> None:
+    """A model prepared before the batch check (its int8 dynamic) is not 'already prepared'."""
+    import dataclasses
+
+    src = tiny_st_folder(tmp_path / "st", "bert", pooling="mean")
+    m = prepare_model(tmp_path / "models", "tiny", from_dir=src, say=lambda _m: None)
+    old = {k: v for k, v in m.variants["int8"].check.items() if not k.startswith("batch_")}
+    variants = {**m.variants, "int8": dataclasses.replace(m.variants["int8"], check=old)}
+    dataclasses.replace(m, variants=variants).save(tmp_path / "models" / "tiny")
+    said: list[str] = []
+    again = prepare_model(tmp_path / "models", "tiny", from_dir=src, say=said.append)
+    assert any("predates the batch check" in s for s in said), said
+    assert "batch_max_abs" in again.variants["int8"].check
+
+
+def test_a_graph_without_layer_norms_is_calibrated_unsmoothed(tmp_path: Path) -> None:
+    """Nothing to smooth (no layer norm feeds a product): still a static, runnable int8 graph."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.arange(8, dtype=np.float32).reshape(2, 4) / 8, "w")
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["input_ids"], ["x"], to=TensorProto.FLOAT),
+         helper.make_node("Concat", ["x", "x"], ["x2"], axis=-1),
+         helper.make_node("MatMul", ["x2", "w"], ["last_hidden_state"])],
+        "no-ln",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s", 1]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["b", "s"])],
+        [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["b", "s", 4])], [w])
+    fp32 = tmp_path / "fp32.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(fp32))
+    feed = {"input_ids": np.arange(6, dtype=np.int64).reshape(2, 3, 1), "attention_mask": np.ones((2, 3), np.int64)}
+    assert export.quantize_int8(fp32, tmp_path / "int8.onnx", [feed]) == 1
+    got = runtimes.hidden_once(tmp_path / "int8.onnx", "int8", feed)
+    want = runtimes.hidden_once(fp32, "fp32", feed)
+    np.testing.assert_allclose(got, want, atol=0.05 * float(np.abs(want).max()))
+    assert "DynamicQuantizeLinear" not in {n.op_type for n in onnx.load(str(tmp_path / "int8.onnx")).graph.node}
