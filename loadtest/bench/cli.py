@@ -1,4 +1,4 @@
-"""`embedcar bench model|triton|sidecar|serving|neighbour|catalog|demo|transport`: the benchmarks
+"""`embedcar bench model|int8|triton|sidecar|serving|neighbour|catalog|demo|transport|refusal`: the benchmarks
 behind docs/benchmarks.md.
 
 Each area takes the settings flags of the runtime command it measures (inference.flags), so a
@@ -35,8 +35,8 @@ from sidecar.cli import add_sidecar_flags
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("bench", help="the benchmarks behind docs/benchmarks.md (model, triton, sidecar, serving, "
-                       "catalog, demo)",
+    p = sub.add_parser("bench", help="the benchmarks behind docs/benchmarks.md (model, int8, triton, sidecar, "
+                       "serving, neighbour, catalog, demo, transport, refusal)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     areas = p.add_subparsers(dest="bench_area", required=True, metavar="AREA")
     _register_model(areas)
@@ -48,6 +48,7 @@ def register(sub: Any) -> None:
     _register_demo(areas)
     _register_transport(areas)
     _register_refusal(areas)
+    _register_int8(areas)
 
 
 # --- model ----------------------------------------------------------------------------------
@@ -377,6 +378,30 @@ def _refusal(args: argparse.Namespace) -> int:
     if args.json:
         atomic_write_text(args.json, json.dumps(result, indent=2, sort_keys=True) + "\n")
     return 0
+
+
+def _register_int8(areas: Any) -> None:
+    p = areas.add_parser("int8", help="int8 schemes against fp32 in one run: latency at batch 1 and 32, quality, "
+                         "and whether a text's vector depends on its batch (also `python -m loadtest.bench.int8`)")
+    p.add_argument("--model-dir", type=Path, default=None, help="a prepared model (default: the bundled MiniLM's)")
+    p.add_argument("--out", type=Path, default=Path("var/bench/int8"), help="report folder")
+    p.add_argument("--candidates", type=_items, default=None, help="comma-separated schemes (default: all)")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
+    p.add_argument("--reps", type=int, default=60, help="batch-1 calls per round and variant (default 60)")
+    p.add_argument("--products", type=int, default=5000, help="catalog titles for recall@10 (default 5000)")
+    p.set_defaults(func=_int8)
+
+
+def _int8(args: argparse.Namespace) -> int:
+    from loadtest.bench import int8
+
+    argv = ["--out", str(args.out), "--rounds", str(args.rounds), "--reps", str(args.reps),
+            "--products", str(args.products)]
+    if args.model_dir is not None:
+        argv += ["--model-dir", str(args.model_dir)]
+    if args.candidates is not None:
+        argv += ["--candidates", ",".join(args.candidates)]
+    return int8.main(argv)
 
 
 def _items(text: str) -> list[str]:
