@@ -9,7 +9,8 @@ serialized requests, reads the records back and summarizes them exactly as for t
 (`loadtest.runner`).
 
 Built on first use into the private per-user cache, `~/.cache/embedcar/native/` (sidecar/native_build.py;
-g++ and gRPC's C++ library: Debian's `libgrpc++-dev`, which `make test` installs when it can); `native_unavailable_reason()` says why it cannot be.
+g++ and gRPC's C++ library: Debian's `libgrpc++-dev`, which `make test` installs when it can);
+`native_unavailable_reason()` says why it cannot be.
 Targets: `sidecar-embed`, `sidecar-stream`, `sidecar-search` with the `+native` suffix.
 """
 
