@@ -1,8 +1,10 @@
-"""`embedcar docs reference`: write docs/settings.md and docs/metrics.md from the code.
+"""`embedcar docs reference`: write the reference pages (settings, metrics, HTTP API, catalog files)
+from the code.
 
 It lives in the top layer because only this layer's `Settings` holds every section; the pages
 themselves are rendered where their data is (inference/settings_reference.py,
-sidecar/metrics_reference.py). `--check` writes nothing and fails when a page is stale (CI).
+sidecar/metrics_reference.py, sidecar/http_reference.py, catalog/files_reference.py). `--check` writes
+nothing and fails when a page is stale (CI).
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from catalog.files_reference import catalog_files_page
 from demo_ui.settings import Settings
 from inference.files import atomic_write_text
 from inference.settings_reference import settings_page
+from sidecar.http_reference import http_page
 from sidecar.metrics_reference import metrics_page
 
 DOCS = Path("docs")
@@ -22,7 +26,8 @@ DOCS = Path("docs")
 
 def pages() -> dict[str, str]:
     """File name under docs/ -> its generated text."""
-    return {"settings.md": settings_page(Settings), "metrics.md": metrics_page()}
+    return {"settings.md": settings_page(Settings), "metrics.md": metrics_page(), "http.md": http_page(),
+            "catalog-files.md": catalog_files_page()}
 
 
 def stale(docs: Path = DOCS) -> list[Path]:
@@ -46,7 +51,8 @@ def write(docs: Path = DOCS) -> list[Path]:
 def register(sub: Any) -> None:
     p = sub.add_parser("docs", help="generate the reference pages from the code")
     what = p.add_subparsers(dest="docs_command", required=True, metavar="PAGE")
-    ref = what.add_parser("reference", help="docs/settings.md (every setting) and docs/metrics.md (every metric)")
+    ref = what.add_parser("reference", help="docs/settings.md (every setting), docs/metrics.md (every metric), "
+                          "docs/http.md (the HTTP API) and docs/catalog-files.md (product files)")
     ref.add_argument("--out", type=Path, default=DOCS, help="folder to write into (default docs)")
     ref.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page is stale")
     ref.set_defaults(func=_run)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +40,43 @@ from sidecar.shedding import Gate, HttpGate, Scope
 
 log = logging.getLogger(__name__)
 
-ALLOWED_FIELDS = frozenset({"input", "model", "encoding_format", "user", "dimensions"})
-SEARCH_FIELDS = frozenset({"input", "k", "department", "aisle", "mode", "model"})
+# Each body's fields: name -> (JSON type, meaning). The parsers accept exactly these names, and
+# docs/http.md is written from these tables (sidecar/http_reference.py), replies' likewise.
+_MODEL = ("string", "a served model's name, version id or variant id (`GET /v1/models`); absent: the default")
+EMBEDDINGS_FIELDS: dict[str, tuple[str, str]] = {
+    "input": ("string or [string]", "required: the texts; a string is one text"),
+    "model": _MODEL,
+    "encoding_format": ('"float" or "base64"', "how each vector is written: numbers, or base64 of little-endian "
+                        "float32 (default float)"),
+    "user": ("string", "accepted and ignored (OpenAI's field)"),
+    "dimensions": ("integer >= 1", "the first n values of each vector, L2-normalised again where the model "
+                   "normalises (Matryoshka-style); at most the model's dimension"),
+}
+SEARCH_FIELDS: dict[str, tuple[str, str]] = {
+    "input": ("string or [string]", "required: the queries; a string is one query"),
+    "k": ("integer", "hits per query (default 10, at most sidecar.max_k)"),
+    "department": ("string", "only products of this department"),
+    "aisle": ("string", "only products of this aisle"),
+    "mode": ('"semantic", "lexical" or "hybrid"', "the embedding's nearest products, BM25 + last-word prefix, or "
+             "both fused by reciprocal rank (default semantic)"),
+    "model": _MODEL,
+}
+EMBEDDINGS_REPLY: dict[str, str] = {
+    "object": '"list"',
+    "data": 'one per input, in order: {"object": "embedding", "index": i, "embedding": [float] or base64}',
+    "model": "the model's version id that computed it",
+    "usage": '{"prompt_tokens": n, "total_tokens": n}: tokens of the texts (cache hits included)',
+}
+SEARCH_REPLY: dict[str, str] = {
+    "object": '"list"',
+    "data": 'one per query, in order: {"index": i, "cache_hit": bool, "hits": [{"id", "score", "fields", "legs"}]}'
+            ' (legs: which of semantic / lexical found the hit)',
+    "model": "the model's version id",
+    "mode": "the mode searched",
+    "index_version": "the catalog index version that answered",
+    "timings_ns": "nanoseconds per stage of the request",
+}
+ALLOWED_FIELDS = frozenset(EMBEDDINGS_FIELDS)
 
 
 def error_parts(exc: EmbedcarError) -> tuple[int, dict[str, str], bytes]:
@@ -131,8 +166,8 @@ def _json_object(body: bytes) -> dict[str, Any]:
         raise InvalidInput(f"request body must be a JSON object, got {type(doc).__name__}")
     return doc
 
-def _reject_unknown(doc: dict[str, Any], allowed: frozenset[str]) -> None:
-    unknown = sorted(set(doc) - allowed)
+def _reject_unknown(doc: dict[str, Any], allowed: Collection[str]) -> None:
+    unknown = sorted(set(doc) - set(allowed))
     if unknown:
         # Field names come from the caller: quote a few, shortened, never the whole body.
         shown = ", ".join(repr(name[:40]) for name in unknown[:5]) + (", ..." if len(unknown) > 5 else "")

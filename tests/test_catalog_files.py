@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from catalog.files_reference import catalog_files_page
 from catalog.sources import read_path, sniff_delimiter
 from inference.errors import InvalidInput
 
@@ -219,3 +220,14 @@ def test_catalog_build_prints_one_line_and_fails(tmp_path: Path, content: str, a
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("embedcar: ") and expected in lines[0], run.stderr
     assert not (tmp_path / "idx").exists() or not any((tmp_path / "idx").iterdir())
+
+
+def test_the_reference_pages_example_file_reads_as_it_says(tmp_path: Path) -> None:
+    """docs/catalog-files.md's CSV example (written from the code) is a file the reader takes."""
+    page = catalog_files_page()
+    example = page.split("`products.csv`:\n\n```\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "products.csv"
+    path.write_text(example, encoding="utf-8")
+    loaded = read_path(path, text_fields=("title",))
+    assert [p.id for p in loaded.products] == ["p-1", "p-2"] and not loaded.bad
+    assert loaded.products[1].fields["title"] == "Oat Milk, Barista Edition"

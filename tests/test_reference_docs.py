@@ -57,10 +57,10 @@ def test_every_metric_has_alert_guidance_and_none_is_left_over() -> None:
     assert rows["embedcar_gc_pause_seconds"].labels == {"generation": ("0", "1", "2")}
 
 
-def test_the_command_writes_both_pages_and_checks_them(tmp_path: Path) -> None:
+def test_the_command_writes_every_page_and_checks_them(tmp_path: Path) -> None:
     assert cli_main(["docs", "reference", "--check", "--out", str(tmp_path)]) == 1  # missing = stale
     assert cli_main(["docs", "reference", "--out", str(tmp_path)]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.md", "settings.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["catalog-files.md", "http.md", "metrics.md", "settings.md"]
     assert cli_main(["docs", "reference", "--check", "--out", str(tmp_path)]) == 0
     (tmp_path / "settings.md").write_text("edited by hand\n")
     assert cli_main(["docs", "reference", "--check", "--out", str(tmp_path)]) == 1

@@ -20,6 +20,7 @@ from inference.errors import DeadlineExceeded, Internal, Unavailable
 from inference.tokenizer import QueryTokenizer
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.client import AsyncClient, Client, EmbedResult
+from sidecar.http_api import EMBEDDINGS_REPLY
 from tests.fixtures_sidecar import ProbeBackend, sidecar_settings, until
 
 WORDS = ["organic", "oat", "milk", "whole", "grain", "bread", "free", "range", "eggs", "greek", "yogurt", "baby",
@@ -162,6 +163,7 @@ def test_http_embeddings_match_grpc(sidecar_embedded: Sidecar, sidecar_client: C
     r = httpx.post(f"{url}/v1/embeddings", json={"input": texts, "model": sidecar_embedded.model.name})
     assert r.status_code == 200, r.text
     body = r.json()
+    assert set(body) == set(EMBEDDINGS_REPLY)  # docs/http.md is written from that table
     assert body["object"] == "list" and body["model"] == sidecar_embedded.service.model
     assert [d["index"] for d in body["data"]] == [0, 1]
     assert np.allclose(np.array([d["embedding"] for d in body["data"]], dtype=np.float32), grpc_emb, atol=1e-6)

@@ -24,6 +24,7 @@ from inference.errors import FailedPrecondition, InvalidInput, Unavailable
 from inference.tokenizer import QueryTokenizer
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.client import Client
+from sidecar.http_api import SEARCH_REPLY
 from sidecar.proto import embedcar_pb2 as pb
 from tests.fixtures_sidecar import sidecar_settings
 from tests.test_sidecar_reliability import wait_for
@@ -180,6 +181,7 @@ def test_http_search_facade(search_sidecar: Sidecar) -> None:
     r = httpx.post(url, json={"input": ["oat mi"], "k": 3, "mode": "hybrid"}, timeout=30)
     assert r.status_code == 200, r.text
     body = r.json()
+    assert set(body) == set(SEARCH_REPLY)  # docs/http.md is written from that table
     assert body["mode"] == "hybrid" and body["index_version"] and body["timings_ns"]["lexical"] > 0
     top = body["data"][0]["hits"][0]
     assert top["id"] == "p2" and "lexical" in top["legs"] and top["fields"]["aisle"] == "dairy alternatives"

@@ -1,0 +1,80 @@
+"""docs/catalog-files.md, written from the code: the product files `embedcar catalog build` reads
+(catalog/sources.py's formats and delimiters, the catalog settings' defaults)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from catalog.settings import CatalogSettings
+from catalog.sources import DELIMITER_NAMES, DELIMITERS, FORMATS, GROCERY_COLUMNS, GROCERY_SOURCE
+from catalog.spec import BuildSpec
+
+_SHOWN = {"\t": "tab", ",": "`,`", ";": "`;`", "|": "`|`"}
+
+
+def _default(cls: type, name: str) -> object:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def catalog_files_page() -> str:
+    text_fields = ",".join(_default(CatalogSettings, "text_fields"))  # type: ignore[arg-type]
+    id_field = _default(BuildSpec, "id_field")
+    by_format: dict[str, list[str]] = {}
+    for suffix, fmt in FORMATS.items():
+        by_format.setdefault(fmt, []).append(f"`{suffix}`")
+    names = ", ".join(f"`{n}`" for n in DELIMITER_NAMES)
+    lines = [
+        "# Catalog files",
+        "",
+        "<!-- Written by `embedcar docs reference` from catalog/sources.py and the catalog settings; "
+        "do not edit by hand. -->",
+        "",
+        "What `embedcar catalog build FILE` (and `catalog merge`) reads: one product per row or line, UTF-8 "
+        "(a byte-order mark is fine).",
+        "",
+        "| format | file names | rows |",
+        "|---|---|---|",
+        f"| CSV / TSV | {', '.join(by_format['csv'])} | a header line naming the columns, then one product per line; "
+        "a quoted field may hold the delimiter, newlines, and `\"\"` for a quote |",
+        f"| JSON Lines | {', '.join(by_format['jsonl'])} | one JSON object per line |",
+        f"| Parquet | {', '.join(by_format['parquet'])} | one product per row |",
+        "",
+        "Columns:",
+        "",
+        f"- **id** (`--id-field`, default `{id_field}`): the product's id, text or a number; a row without one "
+        "is a bad row.",
+        f"- **text fields** (`--text-fields`, default `{text_fields}`): joined with ` | ` into the text that is "
+        "embedded; a row whose text fields are all empty is a bad row, a list or an object there too.",
+        "- every other column is kept with the product and returned by Search (`fields`); a list or an object "
+        "there is kept as JSON text. `department` and `aisle` are what Search's filters match.",
+        "",
+        f"A CSV's delimiter is sniffed from its first lines among {', '.join(_SHOWN[d] for d in DELIMITERS)} "
+        f"(a tie goes to the first), or given: `--delimiter` takes one character or {names}.",
+        "",
+        "Refused as a whole, in one line naming the file (and the line or the columns found): a file that is not "
+        "what its name says (a CSV named `.parquet`, a spreadsheet), text that is not UTF-8 (UTF-16 from a "
+        "spreadsheet), a quote left open, a header without the id column or a `--text-fields` column. A few bad "
+        "rows are reported and skipped; more than `catalog.max_bad_rows` and `catalog.max_bad_share` allow, "
+        "or far fewer products than the current version, and the new version is held back, not served "
+        "(`--force` publishes it; [commands.md](commands.md#embedcar-catalog-build)).",
+        "",
+        "Example, `products.csv`:",
+        "",
+        "```",
+        ",".join(GROCERY_COLUMNS),
+        "p-1,Greek Yogurt Plain 32 oz,yogurt,dairy eggs,5.49",
+        "p-2,\"Oat Milk, Barista Edition\",milk,dairy eggs,4.99",
+        "```",
+        "",
+        "The same as JSON Lines, `products.jsonl`:",
+        "",
+        "```",
+        '{"id": "p-1", "title": "Greek Yogurt Plain 32 oz", "aisle": "yogurt", "department": "dairy eggs", '
+        '"price": 5.49}',
+        "```",
+        "",
+        f"`{GROCERY_SOURCE}` in place of a file is the bundled synthetic grocery catalog "
+        f"({', '.join(GROCERY_COLUMNS)}).",
+        "",
+    ]
+    return "\n".join(lines)
