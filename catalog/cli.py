@@ -86,7 +86,8 @@ def register(sub: Any) -> None:
     g.set_defaults(func=_generate)
 
     s = csub.add_parser("search", help="embed queries and search the newest index version")
-    _common(s, source=False)
+    add_flags(s, "catalog", CatalogSettings, "index_root")  # only what searching reads
+    add_model_flags(s)
     s.add_argument("queries", nargs="+", help="query texts")
     s.add_argument("-k", type=int, default=10, help="results per query")
     s.add_argument("--department", default=None, help="only this department")
@@ -96,7 +97,7 @@ def register(sub: Any) -> None:
     s.set_defaults(func=_search)
 
     i = csub.add_parser("info", help="print the newest index version's manifest")
-    _common(i, source=False)
+    add_flags(i, "catalog", CatalogSettings, "index_root")
     i.set_defaults(func=_info)
 
     x = csub.add_parser("export", help="the newest index version of the served model as a search engine's bulk feed "

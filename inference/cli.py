@@ -58,7 +58,7 @@ def register_model(sub: Any) -> None:
     add_model_flags(back)
     back.set_defaults(func=_rollback)
     show = msub.add_parser("show", help="print the manifest")
-    add_model_flags(show)
+    add_flags(show, "model", ModelSettings, "models_dir", "name")  # which model; nothing it runs
     show.set_defaults(func=_show)
     # Subcommands from higher layers (`model report`, loadtest/bench: it needs the catalog).
     register_entry_points(msub, "embedcar.model_commands")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import subprocess
@@ -60,6 +61,22 @@ def test_every_subcommand_loads() -> None:
     assert {"model", "embed", "triton", "sidecar", "catalog", "demo", "loadtest", "bench"} <= set(helps)
     broken = {k: v for k, v in helps.items() if v and v.startswith("(unavailable")}
     assert not broken
+
+
+@pytest.mark.parametrize(("argv", "takes", "not_theirs"), [
+    (("catalog", "info"), {"--index-root"}, {"--batch-size", "--index-type", "--threads", "--model"}),
+    (("catalog", "search"), {"--index-root", "--model", "--variant"}, {"--batch-size", "--in-flight"}),
+    (("model", "show"), {"--models-dir", "--model"}, {"--threads", "--lanes", "--variant"}),
+])
+def test_a_command_lists_only_the_flags_it_reads(argv: tuple[str, ...], takes: set[str],
+                                                  not_theirs: set[str]) -> None:
+    parser = build_parser()
+    sub = parser
+    for word in argv:  # down the subcommands to the one named
+        action = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction))
+        sub = action.choices[word]
+    options = {o for a in sub._actions for o in a.option_strings}
+    assert takes <= options and not (not_theirs & options), options
 
 
 def test_flags_come_from_settings_fields() -> None:
