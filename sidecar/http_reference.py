@@ -28,6 +28,12 @@ def _reply(table: dict[str, str]) -> list[str]:
     return rows
 
 
+def _route(path: str, fields: dict[str, tuple[str, str]], reply: dict[str, str], example: str) -> list[str]:
+    """A POST route's section: its body's fields, its reply's, a curl call."""
+    return [f"## POST {path}", "", *_fields(fields), "", "Reply, 200:", "", *_reply(reply), "", "```bash",
+            f"curl -s localhost:8080{path} -H 'content-type: application/json' -d '{example}'", "```", ""]
+
+
 def http_page() -> str:
     lines = [
         "# HTTP API reference",
@@ -44,32 +50,9 @@ def http_page() -> str:
         "|---|---|---|---|",
         *(f"| {m} | `{path}` | {key} | {what} |" for m, path, key, what in ROUTES),
         "",
-        "## POST /v1/embeddings",
-        "",
-        *_fields(EMBEDDINGS_FIELDS),
-        "",
-        "Reply, 200:",
-        "",
-        *_reply(EMBEDDINGS_REPLY),
-        "",
-        "```bash",
-        "curl -s localhost:8080/v1/embeddings -H 'content-type: application/json' "
-        "-d '{\"input\": [\"greek yogurt\", \"oat milk\"]}'",
-        "```",
-        "",
-        "## POST /v1/search",
-        "",
-        *_fields(SEARCH_FIELDS),
-        "",
-        "Reply, 200:",
-        "",
-        *_reply(SEARCH_REPLY),
-        "",
-        "```bash",
-        "curl -s localhost:8080/v1/search -H 'content-type: application/json' "
-        "-d '{\"input\": \"greek yog\", \"k\": 5, \"mode\": \"hybrid\"}'",
-        "```",
-        "",
+        *_route("/v1/embeddings", EMBEDDINGS_FIELDS, EMBEDDINGS_REPLY,
+                '{"input": ["greek yogurt", "oat milk"]}'),
+        *_route("/v1/search", SEARCH_FIELDS, SEARCH_REPLY, '{"input": "greek yog", "k": 5, "mode": "hybrid"}'),
         "## Errors",
         "",
         'Every error is `{"error": {"message": "...", "type": "<code>"}}` with the HTTP status below (gRPC '
