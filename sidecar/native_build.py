@@ -24,7 +24,6 @@ FALLBACK_LIBS = ("-lgrpc++", "-lgrpc", "-lgpr", "-labsl_synchronization", "-lpth
 INSTALL_HINT = "it needs g++ and gRPC's C++ library (Debian: apt-get install libgrpc++-dev)"
 
 BUILD_DIR = native_cache.default_build_dir()
-_built = native_cache.BUILT  # (cache folder, build name) -> binary, verified in this process
 
 
 def _libs() -> list[str]:

@@ -64,8 +64,7 @@ class EmbedService:
         self.metrics = metrics
         self.default_deadline_s = default_deadline_s
         self.max_k = max_k
-        # KeyRing has no public list of its tenants; it is fixed once built.
-        self.per_tenant_cache = len(keys.tenants) > 1
+        self.per_tenant_cache = len(keys.tenants) > 1  # the ring is fixed once built
 
     def partition(self, tenant: str | None) -> str | None:
         """The cache partition of a tenant's requests (EmbeddingCache.key): None = shared."""

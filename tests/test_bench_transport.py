@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from inference import native_cache
 from inference.cli_main import main as cli_main
 from inference.errors import Unavailable
 from loadtest.bench.transport import (
@@ -47,7 +48,7 @@ def test_every_transport_echoes_and_is_timed() -> None:
 
 def test_a_compiled_server_that_cannot_build_says_what_it_needs(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native_build, "_built", {})
+    monkeypatch.setattr(native_cache, "BUILT", {})  # nothing built yet in this process
     monkeypatch.setattr(sysconfig, "get_paths", lambda: {"include": str(tmp_path)})  # no Python.h there
     with pytest.raises(Unavailable, match="python3-dev"):
         native_build.build_native(ECHO_MODULE, "embedcar_echo", module=True, build_dir=tmp_path / "build")

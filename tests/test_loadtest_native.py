@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from demo_ui.settings import Settings
+from inference import native_cache
 from inference.backends.onnx import OnnxBackend
 from inference.cli_main import main as cli_main
 from inference.errors import DeadlineExceeded, InvalidInput, Unauthenticated, Unavailable
@@ -26,7 +27,6 @@ from loadtest.report import summarize
 from loadtest.runner import OK, RunConfig, RunResult, run_load
 from loadtest.stack import TargetSpec
 from loadtest.targets import HttpEmbedTarget, SidecarEmbedTarget, SidecarSearchTarget, SidecarStreamTarget
-from sidecar import native_build
 from sidecar.app import SidecarThread
 from tests.components import require_native
 from tests.fixtures_sidecar import sidecar_settings
@@ -170,7 +170,7 @@ def test_target_specs_name_the_client() -> None:
 
 def test_a_build_without_a_compiler_says_what_it_needs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no g++ on it
-    monkeypatch.setattr(native_build, "_built", {})
+    monkeypatch.setattr(native_cache, "BUILT", {})  # nothing built yet in this process
     with pytest.raises(Unavailable, match="libgrpc\\+\\+-dev"):
         build_loadgen(tmp_path / "build")
     assert not list((tmp_path).glob("build/*"))

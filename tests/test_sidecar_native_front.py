@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from demo_ui.settings import Settings
+from inference import native_cache
 from inference.backends.onnx import OnnxBackend
 from inference.errors import DeadlineExceeded, InvalidInput, Overloaded, Unauthenticated, Unavailable
 from sidecar import native_build
@@ -208,7 +209,7 @@ def test_the_front_stops_with_the_sidecar_and_frees_its_port(settings: Settings,
 def test_a_front_that_cannot_build_says_what_it_needs(settings: Settings, onnx_backend: OnnxBackend,
                                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(native_build, "_built", {})
+    monkeypatch.setattr(native_cache, "BUILT", {})  # nothing built yet in this process
     monkeypatch.setattr(native_build, "BUILD_DIR", tmp_path / "build")
     monkeypatch.setattr("inference.native_cache.shutil.which", lambda _name: None)  # no compiler
     assert SOURCE.exists()
