@@ -100,29 +100,37 @@ def read_path(path: Path | str, *, id_field: str = "id", text_fields: Sequence[s
         if delimiter is not None:
             raise InvalidInput("--delimiter applies to CSV files, not the grocery catalog")
         return read_grocery(limit, id_field=id_field, text_fields=text_fields)
+    columns, rows = read_rows(path, id_field=id_field, delimiter=delimiter)
+    return _validate(rows, id_field, text_fields, str(Path(path)), limit=limit, columns=columns)
+
+
+def read_rows(path: Path | str, *, what: str = "catalog", id_field: str | Sequence[str] = (),
+              delimiter: str | None = None) -> tuple[list[str] | None, Iterator[tuple[int, dict[str, Any] | str]]]:
+    """A .jsonl/.csv/.tsv/.parquet file's columns (None for JSONL, whose rows each have their own keys) and
+    its rows, numbered from 1: a dict, or the reason that row is bad. The whole-file checks run first.
+
+    `what` names the file in errors; `id_field` (a name or candidate names) lets the CSV reader tell
+    an unclosed quote that swallows rows from a multi-line value."""
     p = Path(path)
     if not p.exists():
-        raise NotFound(f"no catalog file at {p}")
+        raise NotFound(f"no {what} file at {p}")
     if p.is_dir():
-        raise InvalidInput(f"{p} is a folder, not a catalog file")
+        raise InvalidInput(f"{p} is a folder, not a {what} file")
     suffix = p.suffix.lower()
     fmt = FORMATS.get(suffix)
     if fmt is None:
-        raise InvalidInput(f"{p}: unknown catalog format {suffix!r} (use .jsonl, .csv, .tsv or .parquet)")
+        raise InvalidInput(f"{p}: unknown {what} format {suffix!r} (use .jsonl, .csv, .tsv or .parquet)")
     if delimiter is not None and fmt != "csv":
         raise InvalidInput(f"{p}: --delimiter applies to CSV files, not {suffix}")
     with p.open("rb") as f:
         head = f.read(SAMPLE_BYTES)
     _check_content(p, fmt, head)
-    columns: list[str] | None = None
     if fmt == "parquet":
-        columns, rows = _parquet_rows(p)
-    elif fmt == "csv":
-        columns, rows = _csv_rows(p, head, _parse_delimiter(delimiter) if delimiter is not None
-                                  else sniff_delimiter(head), id_field)
-    else:
-        rows = _jsonl_rows(p)
-    return _validate(rows, id_field, text_fields, str(p), limit=limit, columns=columns)
+        return _parquet_rows(p)
+    if fmt == "csv":
+        return _csv_rows(p, head, _parse_delimiter(delimiter) if delimiter is not None
+                         else sniff_delimiter(head), id_field)
+    return None, _jsonl_rows(p)
 
 
 def _numbered(rows: Iterable[dict[str, Any]]) -> Iterator[tuple[int, dict[str, Any] | str]]:
@@ -288,9 +296,10 @@ def _decoded_lines(path: Path, bad: dict[int, str]) -> Iterator[str]:
             yield text.removeprefix("\ufeff") if n == 1 else text
 
 
-def _csv_rows(path: Path, head: bytes, delimiter: str, id_field: str
+def _csv_rows(path: Path, head: bytes, delimiter: str, id_field: str | Sequence[str]
               ) -> tuple[list[str], Iterator[tuple[int, dict[str, Any] | str]]]:
-    """The header's columns and the rows (numbered by the line each starts on)."""
+    """The header's columns and the rows (numbered by the line each starts on); `id_field`: the id
+    column, or candidates (the first in the header is taken)."""
     bad: dict[int, str] = {}
     # strict: a quote closed in the middle of a field, or never, is an error rather than a silent merge.
     reader = csv.reader(_decoded_lines(path, bad), delimiter=delimiter, strict=True)
@@ -306,8 +315,9 @@ def _csv_rows(path: Path, head: bytes, delimiter: str, id_field: str
     dupes = sorted({c for c in columns if c and columns.count(c) > 1})
     if dupes:
         raise InvalidInput(f"{path}: column {dupes[0]!r} appears more than once in the header")
-    return columns, _csv_records(path, reader, columns, delimiter, columns.index(id_field)
-                                 if id_field in columns else -1, bad)
+    ids = [id_field] if isinstance(id_field, str) else list(id_field)
+    id_col = next((columns.index(f) for f in ids if f in columns), -1)
+    return columns, _csv_records(path, reader, columns, delimiter, id_col, bad)
 
 
 def _csv_records(path: Path, reader: Any, columns: list[str], delimiter: str, id_col: int,
