@@ -16,6 +16,9 @@ def register(sub: Any) -> None:
     p.add_argument("--backend", choices=("auto", "triton", "embedded"), default="auto",
                    help="auto: local Triton where it can run, else embedded ONNX Runtime")
     p.add_argument("--no-triton", action="store_true", help="same as --backend embedded")
+    p.add_argument("--compare", metavar="NAME",
+                   help="also search with the prepared model NAME (e.g. one `embedcar model tune` published) "
+                        "and show both models' results side by side")
     p.set_defaults(func=_run)
 
 
@@ -31,4 +34,4 @@ def _run(args: argparse.Namespace) -> int:
     # The sidecar runs in this process: its malloc, as `sidecar serve`'s (may start this program again).
     logging.getLogger("demo_ui").info("allocator: %s", use(settings.sidecar.allocator))
     backend = "embedded" if args.no_triton else args.backend
-    return run_demo(settings, backend=backend)
+    return run_demo(settings, backend=backend, compare=args.compare)

@@ -9,6 +9,7 @@ pipeline and index, no gRPC round trip). `SidecarSearch` calls a sidecar elsewhe
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -45,6 +46,18 @@ class SearchOutcome:
     index_version: str = ""
 
 
+def aisle_agreement(products: Sequence[Product], top: int = 3) -> dict[str, str | int] | None:
+    """Compare mode's per-column badge: how many of the results lie in the aisle most common among
+    the column's own first `top` (ties go to the higher-ranked result). It measures how coherent a
+    column is, not whether it is relevant (no query has a labelled answer offline): a column whose
+    results all share one wrong aisle scores full marks. None where the results carry no aisle."""
+    head = [p.aisle for p in products[:top] if p.aisle]
+    if not head:
+        return None
+    aisle = max(head, key=lambda a: (head.count(a), -head.index(a)))
+    return {"aisle": aisle, "count": sum(p.aisle == aisle for p in products), "of": len(products)}
+
+
 class SearchFn(Protocol):
     async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchOutcome:
         """Best `k` products for one query. Raises inference.errors types only."""
@@ -73,11 +86,16 @@ class SidecarSearch:
 
 
 class ServiceSearch:
-    """`SearchFn` straight into the sidecar's service in this process (what `embedcar demo` runs)."""
+    """`SearchFn` straight into the sidecar's service in this process (what `embedcar demo` runs).
+    `model`: one of the served models by name (`--compare`); None = the sidecar's default."""
 
-    def __init__(self, service: EmbedService) -> None:
+    def __init__(self, service: EmbedService, model: str | None = None) -> None:
         self._service = service
+        self._model = model
 
     async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchOutcome:
-        res = await self._service.search([text], k=k, mode=mode, deadline=time.monotonic() + timeout_s)
-        return _outcome(res.hits, res.timings_ns, res.cache_hits, self._service.model, res.index_version)
+        res = await self._service.search([text], k=k, mode=mode, model=self._model,
+                                         deadline=time.monotonic() + timeout_s)
+        # The reply's own id: the version that answered, also after a rollout swapped the model.
+        return _outcome(res.hits, res.timings_ns, res.cache_hits, res.model or self._service.model,
+                        res.index_version)

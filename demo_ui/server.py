@@ -8,6 +8,11 @@ A keystroke without a mode is searched in demo.search_mode (hybrid); `legs` says
 leg(s) found each product (["semantic"], ["lexical"] or both).
                   {"seq", "dropped": "superseded" | "stale"}      (never computed)
                   {"seq": int | null, "error": {"code", "message"}}
+With a second model (`embedcar demo --compare NAME`) each keystroke is searched with both at once
+and the answer adds "model" and "columns": [{"model", "results", "timings_ns", "cache_hit",
+"server_ms", "aisles": {"aisle", "count", "of"} | null}, ...], the demo's model first; the
+top-level results/timings_ns/cache_hit are its column's, server_ms the whole keystroke's, and a
+column's server_ms runs until its own search returned (search.aisle_agreement: `aisles`).
 Each connection has one search worker fed through a latest-wins slot: a keystroke that arrives
 while an older one is still waiting replaces it. Bad frames get an error reply; oversized frames
 and floods close the connection (1009 / 1008). Nothing a client sends can stop the server.
@@ -37,7 +42,7 @@ from fastapi.staticfiles import StaticFiles
 
 from catalog.fusion import SearchMode, parse_mode
 from demo_ui.ratecap import RateCap
-from demo_ui.search import SearchFn
+from demo_ui.search import SearchFn, aisle_agreement
 from demo_ui.settings import DemoSettings
 from demo_ui.slot import LatestSlot
 from inference.errors import EmbedcarError, Internal, InvalidInput, Overloaded, Unauthenticated
@@ -95,10 +100,12 @@ def _error(seq: int | None, exc: EmbedcarError) -> dict[str, Any]:
 class Connection:
     """One browser tab: a reader (validation, rate cap, slot) and a single search worker."""
 
-    def __init__(self, ws: WebSocket, settings: DemoSettings, search: SearchFn) -> None:
+    def __init__(self, ws: WebSocket, settings: DemoSettings, search: SearchFn,
+                 compare: SearchFn | None = None) -> None:
         self.ws = ws
         self.settings = settings
         self.search = search
+        self.compare = compare
         self.slot: LatestSlot[Keystroke] = LatestSlot()
         self.cap = RateCap(settings.max_messages_per_s)
         self.last_seq = -1
@@ -182,23 +189,33 @@ class Connection:
                 await self.send(_error(key.seq, Internal(type(exc).__name__)))
 
     async def _answer(self, key: Keystroke) -> dict[str, Any]:
+        head = {"seq": key.seq, "text": key.text, "mode": key.mode.value}
+        if self.compare is None:
+            column = await self._column(self.search, key)
+            del column["model"], column["aisles"]  # the one-model reply stays as it always was
+            return head | column
+        # Both models at once: the keystroke waits for the slower, not for the sum. Every search
+        # is awaited before an error is raised, so none is left running unobserved.
+        both = await asyncio.gather(self._column(self.search, key), self._column(self.compare, key),
+                                    return_exceptions=True)
+        for item in both:
+            if isinstance(item, BaseException):
+                raise item
+        columns = [c for c in both if isinstance(c, dict)]
+        first = columns[0]
+        return head | {"model": first["model"], "results": first["results"], "timings_ns": first["timings_ns"],
+                       "server_ms": (time.perf_counter_ns() - key.received_ns) / 1e6,
+                       "cache_hit": first["cache_hit"], "columns": columns}
+
+    async def _column(self, search: SearchFn, key: Keystroke) -> dict[str, Any]:
+        """One model's answer to `key` (nothing searched for an empty box)."""
         if not key.text:
-            results: list[dict[str, Any]] = []
-            timings: dict[str, int] = {}
-            cache_hit = False
-        else:
-            out = await self.search(key.text, k=key.k, timeout_s=self.settings.search_timeout_s, mode=key.mode)
-            results = [p.to_json() for p in out.products]
-            timings, cache_hit = out.timings_ns, out.cache_hit
-        return {
-            "seq": key.seq,
-            "text": key.text,
-            "mode": key.mode.value,
-            "results": results,
-            "timings_ns": timings,
-            "server_ms": (time.perf_counter_ns() - key.received_ns) / 1e6,
-            "cache_hit": cache_hit,
-        }
+            return {"model": "", "results": [], "timings_ns": {}, "cache_hit": False,
+                    "server_ms": (time.perf_counter_ns() - key.received_ns) / 1e6, "aisles": None}
+        out = await search(key.text, k=key.k, timeout_s=self.settings.search_timeout_s, mode=key.mode)
+        return {"model": out.model, "results": [p.to_json() for p in out.products], "timings_ns": out.timings_ns,
+                "cache_hit": out.cache_hit, "server_ms": (time.perf_counter_ns() - key.received_ns) / 1e6,
+                "aisles": aisle_agreement(out.products)}
 
 
 def _seq_of(raw: str) -> int | None:
@@ -220,9 +237,10 @@ def _ws_key(ws: WebSocket) -> str | None:
 
 
 def create_app(settings: DemoSettings, search: SearchFn, *, info: dict[str, str] | None = None,
-               keys: KeyRing | None = None) -> FastAPI:
+               keys: KeyRing | None = None, compare: SearchFn | None = None) -> FastAPI:
     """The page, its static files, `/config` for the page's defaults, `/health`, and `/ws` (which
-    needs one of `keys` when that ring is not empty)."""
+    needs one of `keys` when that ring is not empty). `compare`: a second model searched with every
+    keystroke, side by side (its id in `info["compare"]` heads its column before the first answer)."""
     parse_mode(settings.search_mode)  # a mistyped EMBEDCAR_DEMO_SEARCH_MODE fails here, not on every keystroke
     app = FastAPI(title="embedcar typeahead demo", docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
@@ -253,7 +271,7 @@ def create_app(settings: DemoSettings, search: SearchFn, *, info: dict[str, str]
                     await ws.send_text(json.dumps(_error(None, exc)))
                     await ws.close(code=CLOSE_POLICY, reason="unauthenticated")
                 return
-        await Connection(ws, settings, search).run()
+        await Connection(ws, settings, search, compare).run()
 
     return app
 

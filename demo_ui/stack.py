@@ -4,12 +4,16 @@ Two phases. The setup phase is plain blocking code in the main thread (model, ca
 Triton), so Ctrl-C interrupts it at once and the atomic writes of those steps leave nothing
 half-built. The serving phase runs the sidecar and the demo web server in one event loop that
 owns SIGINT/SIGTERM; teardown goes in reverse order. Everything binds to loopback.
+
+`--compare NAME`: the sidecar serves the demo's model and NAME (already prepared, e.g. by
+`embedcar model tune`), each with its own catalog index, and the page shows both side by side.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from demo_ui.settings import Settings
 from inference import heap
 from inference.backends.factory import check_kind
-from inference.errors import Unavailable
+from inference.errors import FailedPrecondition, ModelError, Unavailable
 from inference.lifecycle import sigterm_as_interrupt
 
 if TYPE_CHECKING:
@@ -51,23 +55,62 @@ class Prepared:
     backend: str
     model_id: str
     index_dir: Path
+    compare: str = ""  # `--compare`: the second model's name ("" = one model, as without the flag)
+    compare_id: str = ""  # its variant's version id
 
 
-def prepare(settings: Settings, backend: str, say: Say) -> Prepared:
-    """Model, then catalog index: each step does nothing when its artefact is complete already."""
+def compare_model(settings: Settings, name: str) -> str:
+    """The served variant's id of the prepared model `--compare NAME` names; a one-line error saying
+    what to do where there is none.
+    Checked before anything is built, and never prepared here: NAME is the user's own (tuned) model."""
+    from inference.manifest import MANIFEST_FILE, load_manifest, verify_files
+
+    if name == settings.model.name:
+        raise FailedPrecondition(f"--compare {name} is the demo's own model (model.name): compare it with another, "
+                                 "e.g. one `embedcar model tune --as NAME` published")
+    if not name or name != Path(name).name or name.startswith("."):
+        raise FailedPrecondition(f"--compare takes a model's folder name under {settings.model.models_dir}, "
+                                 f"not {name!r}")
+    model_dir = settings.model.models_dir / name
+    if not (model_dir / MANIFEST_FILE).is_file():
+        raise ModelError(f"--compare {name}: no prepared model in {model_dir}: tune it (`embedcar model tune "
+                         f"--as {name}`) or prepare it (`embedcar model prepare --from DIR --model {name}`) first")
+    manifest = load_manifest(model_dir)
+    problems = verify_files(model_dir, manifest)
+    if problems:
+        raise ModelError(f"--compare {name}: the model in {model_dir} is damaged ({'; '.join(problems)}): "
+                         "tune or prepare it again")
+    manifest.variant(settings.model.variant)  # both columns serve model.variant: one it lacks fails here
+    return manifest.variant_id(settings.model.variant)
+
+
+def prepare(settings: Settings, backend: str, say: Say, *, compare: str | None = None) -> Prepared:
+    """Model, then catalog index: each step does nothing when its artefact is complete already.
+    `compare`: a second prepared model, served next to the demo's with a catalog index of its own."""
     from catalog.job import ensure_index
     from catalog.sources import GROCERY_SOURCE
     from catalog.spec import BuildSpec
     from inference.prepare import prepare_model
+    from sidecar.models import model_settings
 
+    compare_id = compare_model(settings, compare) if compare is not None else ""  # fails before any build
     manifest = prepare_model(settings.model.models_dir, settings.model.name, say=say)
     kind = choose_backend(backend, say)
     # The demo's catalog is the grocery sample: any complete version of the current model will do.
     spec = BuildSpec(source=GROCERY_SOURCE, text_fields=settings.catalog.text_fields)
-    version_dir = ensure_index(settings, spec, progress=True)
-    say(f"catalog index {version_dir.name} ready in {settings.catalog.index_root}")
     model_id = manifest.variant_id(settings.model.variant)
-    return Prepared(settings=settings, backend=kind, model_id=model_id, index_dir=settings.catalog.index_root)
+    if compare is None:
+        version_dir = ensure_index(settings, spec, progress=True)
+        say(f"catalog index {version_dir.name} ready in {settings.catalog.index_root}")
+        return Prepared(settings=settings, backend=kind, model_id=model_id, index_dir=settings.catalog.index_root)
+    # The index root holds one index per model version (ensure_index and the sidecar find each by
+    # its id); the sidecar serves both models, the demo's first (the default a request gets).
+    for name in (settings.model.name, compare):
+        version_dir = ensure_index(model_settings(settings, name), spec, progress=True)
+        say(f"catalog index {version_dir.name} ({name}) ready in {settings.catalog.index_root}")
+    both = settings.with_section("sidecar", models=(settings.model.name, compare))
+    return Prepared(settings=both, backend=kind, model_id=model_id, index_dir=settings.catalog.index_root,
+                    compare=compare, compare_id=compare_id)
 
 
 def start_triton(settings: Settings, say: Say) -> tuple[Settings, TritonServer]:
@@ -114,9 +157,14 @@ async def serve(prepared: Prepared, say: Say, *, stop: asyncio.Event | None = No
         await car.start()
         stack.push_async_callback(car.stop, settings.sidecar.grace_s)
         info = {"backend": prepared.backend, "model": prepared.model_id, "index": prepared.index_dir.name}
+        compare = None
+        if prepared.compare:  # by name: a rollout of that folder (a new tune) keeps its column
+            compare = ServiceSearch(car.service, model=prepared.compare)
+            info["compare"] = prepared.compare_id
         # The private sidecar has no keys (loopback only); the page's websocket takes the configured ones.
         keys = KeyRing.from_settings(prepared.settings.sidecar)
-        server = build_server(create_app(demo, ServiceSearch(car.service), info=info, keys=keys), demo)
+        app = create_app(demo, ServiceSearch(car.service), info=info, keys=keys, compare=compare)
+        server = build_server(app, demo)
         task = asyncio.create_task(server.serve())
         stack.push_async_callback(_stop_server, server, task)
         while not server.started:
@@ -139,14 +187,14 @@ async def _stop_server(server: Any, task: asyncio.Task[None]) -> None:
         await task
 
 
-def run_demo(settings: Settings, *, backend: str = "auto", say: Say = print) -> int:
+def run_demo(settings: Settings, *, backend: str = "auto", say: Say = print, compare: str | None = None) -> int:
     triton: TritonServer | None = None
     try:
         with sigterm_as_interrupt():
-            prepared = prepare(settings, backend, say)
+            prepared = prepare(settings, backend, say, compare=compare)
             if prepared.backend == "triton":
                 s, triton = start_triton(prepared.settings, say)
-                prepared = Prepared(s, prepared.backend, prepared.model_id, prepared.index_dir)
+                prepared = dataclasses.replace(prepared, settings=s)
         asyncio.run(serve(prepared, say, settle_heap=True))
     except KeyboardInterrupt:
         say("interrupted")

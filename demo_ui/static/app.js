@@ -27,6 +27,7 @@ const state = {
   budget: 20,
   debounceTimer: null,
   retryMs: 250,
+  models: [],             // each column's model id from /config (`embedcar demo --compare` gives two)
 };
 
 function connect() {
@@ -87,36 +88,97 @@ function onMessage(msg) {
   for (const s of state.sentAt.keys()) if (s <= msg.seq) state.sentAt.delete(s);
   state.shownSeq = msg.seq;
   showError(null);
-  renderResults(msg);
-  const stages = stageBreakdown(msg, rtt);
-  renderBar(stages, rtt, msg.cache_hit, msg.text);
+  // One model: the message is its own column. Compare mode: one column per model, drawn on one
+  // scale; each column's bar ends when its own search returned (both run at once).
+  const cols = msg.columns || [msg];
+  setColumns(cols.length);
+  const network = Math.max(0, rtt - msg.server_ms);   // browser <-> demo server, shared by the columns
+  const totals = cols.map((c) => network + c.server_ms);
+  const scale = Math.max(state.budget * 1.5, ...totals.map((t) => t * 1.05));
+  cols.forEach((col, i) => {
+    const total = cols.length === 1 ? rtt : totals[i];
+    renderResults(part("column", i), col, msg.text, total);
+    renderBar(part("lat-col", i), stageBreakdown(col, network), total, scale, col.cache_hit, msg.text);
+  });
   if (msg.text) {               // an empty box is not a search: keep it out of the statistics
     state.totals.push(rtt);
     renderStrip();
   }
 }
 
-function stageBreakdown(msg, rtt) {
-  const t = msg.timings_ns || {};
+function stageBreakdown(col, network) {
+  const t = col.timings_ns || {};
   const out = {};
   let sidecar = 0;
   for (const k of SIDECAR_STAGES) {
     out[k] = (t[k] || 0) / 1e6;
     sidecar += out[k];
   }
-  out.server = Math.max(0, msg.server_ms - sidecar);   // demo server + sidecar glue (the demo runs its sidecar in-process; over gRPC elsewhere)
-  out.network = Math.max(0, rtt - msg.server_ms);      // browser <-> demo server
+  out.server = Math.max(0, col.server_ms - sidecar);   // demo server + sidecar glue (the demo runs its sidecar in-process; over gRPC elsewhere)
+  out.network = network;
   return out;
+}
+
+// The i-th block of a kind ("column": results, "lat-col": latency bar); the first is the page's own.
+function part(kind, i) {
+  return document.querySelectorAll(`.${kind}`)[i];
+}
+
+// Compare mode: a copy of the first column's blocks for each further model (ids stay on the first,
+// which is the page without --compare).
+function setColumns(n) {
+  for (const [box, kind] of [["columns", "column"], ["lat-cols", "lat-col"]]) {
+    const have = document.querySelectorAll(`.${kind}`);
+    for (let i = have.length; i < n; i++) {
+      const copy = have[0].cloneNode(true);
+      for (const el of [copy, ...copy.querySelectorAll("[id]")]) el.removeAttribute("id");
+      copy.querySelector(".results")?.replaceChildren();
+      $(box).append(copy);
+    }
+  }
+  if (n < 2) return;
+  document.body.classList.add("compare");
+  $("compare-note").hidden = false;
+  $("agree-note").hidden = false;
+  for (const el of document.querySelectorAll(".col-head")) el.hidden = false;
+  for (const el of document.querySelectorAll(".lat-col .col-model")) el.hidden = false;
+  for (let i = 0; i < n; i++) if (state.models[i]) showModel(i, state.models[i]);
+}
+
+// A model's variant id, "name@version/variant": the name stands out, the rest tells versions apart.
+function showModel(i, id) {
+  for (const el of [part("column", i).querySelector(".col-model"), part("lat-col", i).querySelector(".col-model")]) {
+    if (el.dataset.model === id) continue;
+    const at = id.indexOf("@");
+    const name = document.createElement("strong");
+    name.textContent = at < 0 ? id : id.slice(0, at);
+    const rest = document.createElement("span");
+    rest.className = "muted";
+    rest.textContent = at < 0 ? "" : id.slice(at);
+    el.replaceChildren(name, rest);
+    el.dataset.model = id;
+    el.title = id;
+  }
 }
 
 function fmt(ms) {
   return ms >= 10 ? `${ms.toFixed(0)} ms` : `${ms.toFixed(1)} ms`;
 }
 
-function renderResults(msg) {
-  const ol = $("results");
-  ol.dataset.query = msg.text;
-  ol.replaceChildren(...msg.results.map((r) => {
+function renderResults(column, col, text, total) {
+  const ol = column.querySelector(".results");
+  ol.dataset.query = text;
+  if (col.model) showModel([...document.querySelectorAll(".column")].indexOf(column), col.model);
+  column.querySelector(".col-ms").textContent = text ? fmt(total) : "";
+  const agree = column.querySelector(".agree");
+  agree.hidden = !col.aisles;
+  if (col.aisles) {
+    const a = col.aisles;
+    agree.textContent = `${a.count}/${a.of} in ${a.aisle}`;
+    agree.className = `agree ${a.count * 2 > a.of ? "high" : "low"}`;
+    agree.title = `${a.count} of ${a.of} results lie in “${a.aisle}”, the aisle most common among this column's top 3 (coherence, not relevance)`;
+  }
+  ol.replaceChildren(...col.results.map((r) => {
     const li = document.createElement("li");
     const title = document.createElement("span");
     title.className = "title";
@@ -143,9 +205,9 @@ function renderResults(msg) {
   }));
 }
 
-function renderBar(stages, total, cacheHit, text) {
-  const scale = Math.max(state.budget * 1.5, total * 1.05);
-  const segs = $("segments");
+function renderBar(root, stages, total, scale, cacheHit, text) {
+  const q = (cls) => root.querySelector(`.${cls}`);
+  const segs = q("segments");
   segs.replaceChildren(...STAGES.filter(([k]) => stages[k] > 0).map(([k, label, colour]) => {
     const d = document.createElement("div");
     d.className = "seg";
@@ -155,16 +217,16 @@ function renderBar(stages, total, cacheHit, text) {
     d.title = `${label}: ${fmt(stages[k])}`;
     return d;
   }));
-  $("budget-line").style.left = `${(100 * state.budget) / scale}%`;
-  $("budget-shown").textContent = String(state.budget);
+  q("budget-line").style.left = `${(100 * state.budget) / scale}%`;
+  q("budget-shown").textContent = String(state.budget);
   const over = total > state.budget;
-  $("bar").className = `bar ${over ? "over" : "within"}`;
-  const tot = $("total");
+  q("bar").className = `bar ${over ? "over" : "within"}`;
+  const tot = q("total");
   tot.textContent = fmt(total);
-  tot.className = over ? "over" : "within";
-  $("cache-badge").hidden = !cacheHit;
-  $("query-shown").textContent = text ? `“${text}”` : "";
-  $("legend").replaceChildren(...STAGES.map(([k, label, colour]) => {
+  tot.className = `total ${over ? "over" : "within"}`;
+  q("cache-badge").hidden = !cacheHit;
+  q("query-shown").textContent = text ? `“${text}”` : "";
+  q("legend").replaceChildren(...STAGES.map(([k, label, colour]) => {
     const li = document.createElement("li");
     li.innerHTML = `<i style="background:${colour}"></i>`;
     li.append(`${label} ${fmt(stages[k] || 0)}`);
@@ -213,10 +275,14 @@ async function loadConfig() {
     state.budget = Number(cfg.budget_ms) || state.budget;
     if (cfg.mode) $("mode").value = cfg.mode;
     $("budget").value = String(state.budget);
-    $("budget-shown").textContent = String(state.budget);
+    for (const el of document.querySelectorAll(".budget-shown")) el.textContent = String(state.budget);
     const parts = [cfg.backend && `backend: ${cfg.backend}`, cfg.model && `model: ${cfg.model}`,
-                   cfg.index && `index: ${cfg.index}`].filter(Boolean);
+                   cfg.compare && `compared with: ${cfg.compare}`, cfg.index && `index: ${cfg.index}`].filter(Boolean);
     $("info").textContent = parts.join(" · ");
+    if (cfg.compare) {
+      state.models = [cfg.model, cfg.compare];
+      setColumns(2);
+    }
   } catch (_) { /* defaults are fine */ }
 }
 
@@ -225,7 +291,7 @@ $("mode").addEventListener("change", () => { if ($("q").value) sendNow(); });
 $("budget").addEventListener("change", () => {
   const v = Number($("budget").value);
   if (v > 0) state.budget = v;
-  $("budget-shown").textContent = String(state.budget);
+  for (const el of document.querySelectorAll(".budget-shown")) el.textContent = String(state.budget);
   if (state.totals.length) renderStrip();
 });
 loadConfig().finally(connect);
