@@ -64,6 +64,9 @@ class Manifest:
     refused: dict[str, dict[str, float]] = field(default_factory=dict)
     # How the default variant was chosen (measured figures), for `model show` and the report.
     default_reason: str = ""
+    # How a tuned model was made (`embedcar model tune`): base model and version, data, recipe, seed,
+    # steps, held-out figures, the gate's verdict. Empty for a model prepared as it came.
+    lineage: dict[str, Any] = field(default_factory=dict)
 
     def with_version(self) -> Self:
         return type(self)(**{**_fields(self), "version_id": self.compute_version_id()})

@@ -11,17 +11,21 @@ swaps the two back (running sidecars roll over to whichever is in place: sidecar
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from inference.errors import ModelError
 from inference.manifest import Manifest, load_manifest, verify_files
 from inference.model_build import build_model_dir
 from inference.model_folder import ModelFolder, read_model_folder
 from inference.model_source import SOURCES, fetch_model, manifest_source
+
+WEIGHTS_DIR = "weights"  # a tuned model's PyTorch folder, kept beside its ONNX variants
 
 
 def folder_digest(folder: ModelFolder) -> str:
@@ -40,7 +44,11 @@ def folder_digest(folder: ModelFolder) -> str:
 
 def prepare_model(models_dir: Path, name: str, *, force: bool = False, from_dir: Path | None = None,
                   pooling: str | None = None, query_prompt: str | None = None, document_prompt: str | None = None,
+                  lineage: dict[str, Any] | None = None, keep_weights: bool = False,
                   say: Callable[[str], None] = print) -> Manifest:
+    """`lineage`: how the folder was made (a tuned model's), kept in the manifest. `keep_weights`: the
+    folder itself is kept in the model directory as weights/ (a tuned model has no other home; it is
+    what a later `model tune` starts from)."""
     dest = models_dir / name
     folder = digest = None
     if from_dir is not None:
@@ -67,8 +75,15 @@ def prepare_model(models_dir: Path, name: str, *, force: bool = False, from_dir:
                 f"pooling {folder.pooling} ({folder.pooling_from})")
             source = {"requirement": "local", "folder": str(from_dir.resolve()) if from_dir else "",
                       "folder_digest": digest or "", "sha256": digest or ""}
+            if keep_weights:
+                source["folder"] = WEIGHTS_DIR
             manifest = build_model_dir(folder.path, staging, name=name, source=source, folder=folder, say=say,
                                        with_golden=False)
+            if keep_weights:
+                shutil.copytree(folder.path, staging / WEIGHTS_DIR)
+            if lineage:
+                manifest = dataclasses.replace(manifest, lineage=lineage)
+                manifest.save(staging)
         else:
             if name not in SOURCES:
                 raise ModelError(f"unknown model {name!r}: bundled models are {', '.join(SOURCES)}; prepare your own "
@@ -87,6 +102,16 @@ def prepare_model(models_dir: Path, name: str, *, force: bool = False, from_dir:
     say(f"model {manifest.version_id} ready in {dest} (serves {manifest.default_variant} by default: "
         f"{manifest.default_reason})")
     return manifest
+
+
+def weights_folder(model_dir: Path, manifest: Manifest) -> Path | None:
+    """The PyTorch folder a prepared model was made from, where it still is: weights/ inside the model
+    directory (a tuned model) or the --from folder it was prepared from, unchanged since."""
+    folder = manifest.source.get("folder", "")
+    if manifest.source.get("requirement") != "local" or not folder:
+        return None
+    path = model_dir / folder if folder == WEIGHTS_DIR else Path(folder)
+    return path if (path / "config.json").is_file() else None
 
 
 def previous_dir(models_dir: Path, name: str) -> Path:

@@ -1,0 +1,161 @@
+"""The held-out gate: products (and logged queries) set aside before training, scored base vs tuned.
+
+The split is by a seeded hash of the product id (and of the logged query), so it is the same on a
+resumed run and never depends on file order. Query sets, each searched in a corpus made of the
+held-out products (plus the products of held-out logged queries), at 25/50/75/100 % of the query's
+characters as a typeahead sends them (catalog/prefix_quality.cut):
+- aisle:      the narrowest category value -> the held-out products in it (products never trained on)
+- attribute:  "dairy free" + aisle -> held-out products with both (where titles carry attributes)
+- known-item: a fragment of a held-out title -> that product
+- logged:     a held-out logged query -> the products it led to (with --pairs)
+Metrics: nDCG@10 and recall@10 (catalog/quality.score). `gate` refuses a tuned model that is worse
+than its base on any set, cut and metric by more than the tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import random
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from catalog.calibration import fragment
+from catalog.index import exact_topk
+from catalog.prefix_quality import CUTS, cut
+from catalog.quality import K, QuerySet, score
+from catalog.sources import Product, compose_text
+from catalog.tuning.catalog_pairs import PLACEHOLDERS, attributes, taxonomy_fields
+from catalog.tuning.query_log import LoggedPair
+
+Encode = Callable[[list[str], str], npt.NDArray[np.float32]]  # (texts, "query" | "document") -> unit rows
+GATED = (("ndcg_at_10", "nDCG@10"), ("recall_at_10", "recall@10"))
+
+
+def _unit(seed: int, key: str) -> float:
+    """A stable number in [0, 1) for `key`: the same split on every run and machine."""
+    digest = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    train: list[Product]
+    held: list[Product]
+    train_logged: list[LoggedPair]
+    held_logged: list[LoggedPair]
+
+
+def split(products: Sequence[Product], logged: Sequence[LoggedPair], *, share: float, max_held: int,
+          seed: int) -> Split:
+    """`share` of the products (at most `max_held`) and of the logged queries held out."""
+    order = sorted(products, key=lambda p: _unit(seed, p.id))
+    n_held = min(max_held, max(1, round(len(products) * share)))
+    held_ids = {p.id for p in order[:n_held]}
+    held_queries = {q for q in {lp.query.casefold() for lp in logged} if _unit(seed, "q:" + q) < share}
+    return Split(train=[p for p in products if p.id not in held_ids], held=[p for p in products if p.id in held_ids],
+                 train_logged=[lp for lp in logged if lp.query.casefold() not in held_queries],
+                 held_logged=[lp for lp in logged if lp.query.casefold() in held_queries])
+
+
+@dataclass(frozen=True, slots=True)
+class HeldOut:
+    documents: list[str]  # the corpus, as the catalog job embeds it
+    sets: list[QuerySet]  # relevant rows index `documents`
+
+
+def held_out(s: Split, products_by_id: dict[str, Product], text_fields: Sequence[str], *, seed: int,
+             max_queries: int = 500) -> HeldOut:
+    rng = random.Random(seed)
+    corpus = list(s.held)
+    seen = {p.id for p in corpus}
+    for lp in s.held_logged:
+        if lp.product_id not in seen and lp.product_id in products_by_id:
+            corpus.append(products_by_id[lp.product_id])
+            seen.add(lp.product_id)
+    row = {p.id: i for i, p in enumerate(corpus)}
+    docs = [compose_text(p.fields, text_fields) for p in corpus]
+    sets: list[QuerySet] = []
+    taxonomy = taxonomy_fields(s.held)
+    by_aisle: dict[str, set[int]] = defaultdict(set)
+    by_attr: dict[str, set[int]] = defaultdict(set)
+    for i, p in enumerate(s.held):
+        values = [v.strip().lower() for f in taxonomy if (v := p.fields.get(f, "")).strip().lower() not in PLACEHOLDERS]
+        if values:
+            by_aisle[values[-1]].add(i)
+            for a in attributes(p.fields.get("title", "")):
+                by_attr[f"{a} {values[-1]}"].add(i)
+    for name, groups in (("aisle", by_aisle), ("attribute", by_attr)):
+        keys = sorted(groups)
+        if len(keys) > max_queries:
+            keys = sorted(rng.sample(keys, max_queries))
+        if keys:
+            sets.append(QuerySet(name, keys, [groups[k] for k in keys]))
+    by_title: dict[str, set[int]] = defaultdict(set)
+    for i, p in enumerate(s.held):
+        by_title[p.fields.get("title", "")].add(i)
+    known: list[tuple[str, set[int]]] = []
+    for i in rng.sample(range(len(s.held)), len(s.held)):
+        title = s.held[i].fields.get("title", "")
+        if (q := fragment(title, rng)) is not None:
+            known.append((q, by_title[title]))
+        if len(known) >= max_queries:
+            break
+    if known:
+        sets.append(QuerySet("known-item", [q for q, _ in known], [r for _, r in known]))
+    logged: dict[str, set[int]] = defaultdict(set)
+    for lp in s.held_logged:
+        if lp.product_id in row:
+            logged[lp.query].add(row[lp.product_id])
+    if logged:
+        keys = sorted(logged)[:max_queries] if len(logged) <= max_queries else sorted(rng.sample(sorted(logged),
+                                                                                            max_queries))
+        sets.append(QuerySet("logged", keys, [logged[k] for k in keys]))
+    return HeldOut(docs, sets)
+
+
+def evaluate(encode: Encode, held: HeldOut, cuts: Sequence[int] = CUTS) -> dict[str, dict[str, dict[str, float]]]:
+    """{set: {cut: {metric: value, "queries": n}}} for one model."""
+    doc_vecs = encode(held.documents, "document")
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for qs in held.sets:
+        out[qs.name] = {}
+        for pct in cuts:
+            q_vecs = encode([cut(q, pct) for q in qs.queries], "query")
+            out[qs.name][str(pct)] = dataclasses.asdict(score(exact_topk(doc_vecs, q_vecs, K), qs.relevant))
+    return out
+
+
+def gate(base: dict[str, Any], tuned: dict[str, Any], tolerance: float) -> list[str]:
+    """Every (set, cut, metric) where the tuned model is worse than its base by more than `tolerance`."""
+    misses = []
+    for name, per_cut in base.items():
+        for pct, sc in per_cut.items():
+            for key, label in GATED:
+                b, t = sc[key], tuned[name][pct][key]
+                if t < b - tolerance:
+                    misses.append(f"{name} {pct} % {label} {b:.3f} -> {t:.3f}")
+    return misses
+
+
+def table(base: dict[str, Any], tuned: dict[str, Any] | None = None) -> str:
+    """Markdown: one row per set and cut, base (and tuned with the change) per gated metric."""
+    head = ["set", "cut", "queries"]
+    for _key, label in GATED:
+        head += [f"{label} base"] + ([f"{label} tuned", "change"] if tuned else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, per_cut in base.items():
+        for pct, sc in per_cut.items():
+            cells = [name, f"{pct} %", str(sc["queries"])]
+            for key, _label in GATED:
+                cells.append(f"{sc[key]:.3f}")
+                if tuned:
+                    t = tuned[name][pct][key]
+                    cells += [f"{t:.3f}", f"{t - sc[key]:+.3f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
