@@ -21,8 +21,8 @@ ARCHITECTURES = ("bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "moder
 HIDDEN = 32
 
 
-def tokenizer_files(out: Path, arch: str = "bert") -> int:
-    """A WordPiece tokenizer trained on CORPUS, saved as a fast tokenizer (tokenizer.json and its
+def tokenizer_files(out: Path, arch: str = "bert", corpus: list[str] | None = None) -> int:
+    """A WordPiece tokenizer trained on CORPUS (or `corpus`), saved as a fast tokenizer (tokenizer.json and its
     config) with [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4. Returns the vocabulary size."""
     import transformers
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
@@ -31,7 +31,9 @@ def tokenizer_files(out: Path, arch: str = "bert") -> int:
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(CORPUS * 4, trainers.WordPieceTrainer(vocab_size=160, special_tokens=special))
+    texts = corpus or CORPUS
+    vocab = 160 if corpus is None else 160 + len({w for t in texts for w in t.lower().split()})
+    tok.train_from_iterator(texts * 4, trainers.WordPieceTrainer(vocab_size=vocab, special_tokens=special))
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
@@ -73,13 +75,13 @@ def _config(arch: str, vocab: int) -> Any:
     raise ValueError(arch)
 
 
-def hf_folder(out: Path, arch: str, *, seed: int = 0) -> Path:
+def hf_folder(out: Path, arch: str, *, seed: int = 0, corpus: list[str] | None = None) -> Path:
     """A plain Hugging Face folder: config.json, model.safetensors, tokenizer files."""
     import torch
     from transformers import AutoModel
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab = tokenizer_files(out, arch)
+    vocab = tokenizer_files(out, arch, corpus)
     torch.manual_seed(seed)
     AutoModel.from_config(_config(arch, vocab)).save_pretrained(str(out))  # type: ignore[no-untyped-call]
     return out
@@ -87,12 +89,13 @@ def hf_folder(out: Path, arch: str, *, seed: int = 0) -> Path:
 
 def tiny_st_folder(out: Path, arch: str = "bert", *, pooling: str = "mean", dense: int | None = None,
                    activation: str = "Tanh", normalize: bool = True, prompts: dict[str, str] | None = None,
-                   include_prompt: bool = True, similarity: str | None = None, seed: int = 0) -> Path:
+                   include_prompt: bool = True, similarity: str | None = None, seed: int = 0,
+                   corpus: list[str] | None = None) -> Path:
     """A sentence-transformers folder around a tiny `arch` model; `dense`: a Dense layer to that width."""
     import torch
     from sentence_transformers import SentenceTransformer, models
 
-    hf = hf_folder(out.parent / f"{out.name}-hf", arch, seed=seed)
+    hf = hf_folder(out.parent / f"{out.name}-hf", arch, seed=seed, corpus=corpus)
     modules: list[Any] = [models.Transformer(str(hf), max_seq_length=64)]
     modules.append(models.Pooling(HIDDEN, pooling_mode=pooling, include_prompt=include_prompt))
     if dense is not None:

@@ -8,8 +8,8 @@ Kinds, each weighted by the recipe (catalog/tuning/recipe.py):
 - brand:     the brand field (where the rows have one) + the head
 - prefix:    any of the above cut mid-word at 25-75 % of its characters -> the same product: typeahead
 - title:     a title cut at 30-70 % of its characters -> the product (known-item typeahead)
-The anchor repeats across products (many share an aisle): the trainer's NO_DUPLICATES batch sampler
-keeps equal texts out of one batch, where they would be false negatives for an in-batch loss.
+The anchor repeats across products (many share an aisle): catalog/tuning/trainer.dataset keeps equal
+texts out of one batch, where they would be false negatives for an in-batch loss.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """sentence-transformers' trainer, set up as a long job: progress, checkpoints, resume, a time budget.
 
 The model, loss and data come from the recipe; `SentenceTransformerTrainer` does the loop (AdamW,
-linear decay after warm-up, its NO_DUPLICATES batch sampler). A checkpoint is written every
+linear decay after warm-up) over batches laid out
+here (no text twice in a batch). A checkpoint is written every
 `save_steps` (weights, optimizer, scheduler, RNG states, the trainer's position in the data), so a
 killed run resumed from its last checkpoint continues to the same weights as one never stopped.
 On a GPU the trainer's own device choice applies, with bf16 (or fp16) autocast; on a CPU torch
@@ -10,14 +11,18 @@ uses every core it is given.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
+import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from sentence_transformers.sampler import DefaultBatchSampler
 
 from catalog.tuning.recipe import Recipe
 from inference.errors import InvalidInput, ModelError
@@ -80,10 +85,64 @@ def make_loss(model: Any, recipe: Recipe) -> Any:
     return loss
 
 
-def dataset(columns: dict[str, Sequence[str]]) -> Any:
+def dataset(columns: Mapping[str, Sequence[str]], *, batch_size: int, steps: int, seed: int) -> Any:
+    """The rows in the exact order training reads them: `steps` batches, each without a repeated
+    text (in-batch negatives: a repeated anchor or product would be a false negative), drawn from
+    shuffled passes over the pairs. Fixing the order here, rather than in a shuffling sampler, is
+    what lets a resumed run read the same batches as an uninterrupted one."""
     from datasets import Dataset
 
-    return Dataset.from_dict({k: list(v) for k, v in columns.items()})
+    names = list(columns)
+    rows = list(zip(*(columns[n] for n in names), strict=True))
+    if not rows:
+        raise InvalidInput("no training pairs")
+    rng = random.Random(seed)
+    need = steps * batch_size
+    order: list[int] = []
+    for _pass in range(1000):
+        pending = list(range(len(rows)))
+        rng.shuffle(pending)
+        stream = iter(pending)
+        deferred: collections.deque[int] = collections.deque()  # clashed with a batch: tried first next time
+        while len(order) < need:
+            batch: list[int] = []
+            seen: set[str] = set()
+            retry: list[int] = []
+            # a bounded look at the deferred rows: a text shared by thousands (an aisle name) waits its turn
+            for _ in range(min(len(deferred), 4 * batch_size)):
+                i = deferred.popleft()
+                (retry if seen & set(rows[i]) or len(batch) == batch_size else batch).append(i)
+                if batch and batch[-1] == i:
+                    seen.update(rows[i])
+            while len(batch) < batch_size and (i := next(stream, -1)) >= 0:
+                if seen & set(rows[i]):
+                    retry.append(i)
+                else:
+                    batch.append(i)
+                    seen.update(rows[i])
+            deferred.extendleft(reversed(retry))
+            if len(batch) < batch_size:
+                break  # this pass is used up; its remainder starts the next pass's batches no sooner
+            order += batch
+        if len(order) >= need:
+            break
+    else:
+        raise InvalidInput(f"cannot fill {steps} batches of {batch_size} distinct texts from {len(rows)} pairs: "
+                           "use a smaller --batch-size")
+    return Dataset.from_dict({n: [rows[i][k] for i in order] for k, n in enumerate(names)})
+
+
+class InOrder(DefaultBatchSampler):
+    """Reads the dataset's rows in their order, `batch_size` at a time (the order is `dataset`'s).
+    At module level: the trainer pickles its arguments, this class with them."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        n = len(self.sampler)  # type: ignore[arg-type]  # the dataset itself
+        for start in range(0, n - n % self.batch_size, self.batch_size):
+            yield list(range(start, start + self.batch_size))
+
+    def __len__(self) -> int:
+        return len(self.sampler) // int(self.batch_size)  # type: ignore[arg-type]
 
 
 def prompts_for(model: Any, columns: Sequence[str]) -> dict[str, str] | None:
@@ -120,12 +179,10 @@ def step_seconds(model: Any, loss: Any, data: Any, recipe: Recipe, *, steps: int
 
 
 def _last_checkpoint(out: Path) -> Path | None:
-    from transformers.trainer_utils import get_last_checkpoint
-
-    if not out.is_dir():
-        return None
-    found = get_last_checkpoint(str(out))  # type: ignore[no-untyped-call]
-    return Path(found) if found else None
+    """The newest complete checkpoint: ours is the last file written to one (a run killed while
+    saving leaves a partial folder, which is skipped)."""
+    found = [p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and (p / ELAPSED_FILE).is_file()]
+    return max(found, key=lambda p: int(p.name.split("-")[-1]), default=None)
 
 
 def train(model: Any, loss: Any, data: Any, recipe: Recipe, *, out: Path, max_steps: int, seed: int,
@@ -134,7 +191,6 @@ def train(model: Any, loss: Any, data: Any, recipe: Recipe, *, out: Path, max_st
     from the newest checkpoint in `out` when there is one."""
     import torch
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-    from sentence_transformers.training_args import BatchSamplers
 
     gpu = torch.cuda.is_available()
     args = SentenceTransformerTrainingArguments(
@@ -142,7 +198,7 @@ def train(model: Any, loss: Any, data: Any, recipe: Recipe, *, out: Path, max_st
         learning_rate=recipe.learning_rate, warmup_ratio=recipe.warmup_ratio, lr_scheduler_type="linear",
         seed=seed, data_seed=seed, save_strategy="steps", save_steps=save_steps, save_total_limit=2,
         logging_steps=max(1, min(10, save_steps)), report_to="none", disable_tqdm=True,
-        batch_sampler=BatchSamplers.NO_DUPLICATES, dataloader_num_workers=0, use_cpu=not gpu,
+        batch_sampler=InOrder, dataloader_num_workers=0, use_cpu=not gpu,
         bf16=gpu and torch.cuda.is_bf16_supported(), fp16=gpu and not torch.cuda.is_bf16_supported(),
         prompts=prompts_for(model, data.column_names), save_only_model=False)
     resume = _last_checkpoint(out)

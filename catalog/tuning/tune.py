@@ -16,6 +16,7 @@ directory appears in one rename once the gate passed, so nothing half-written is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -135,18 +136,20 @@ def tune(settings: Settings, req: Request, *, say: Say = print) -> Result:
         say(f"scoring the base model {base_manifest.version_id} on the held-out sets…")
         base_figures = heldout.evaluate(encoder(model), held)
         _write_json(work / BASE_FIGURES, base_figures)
-    data = trainer.dataset({"anchor": [p.anchor for p in pairs], "positive": [p.positive for p in pairs]})
+    columns = {"anchor": [p.anchor for p in pairs], "positive": [p.positive for p in pairs]}
     loss = trainer.make_loss(model, recipe)
     model.max_seq_length = recipe.max_seq_length
     if "max_steps" not in run:
         if req.steps is not None:
             run["max_steps"] = req.steps
         else:
-            per_step = trainer.step_seconds(model, loss, data, recipe)
+            probe = trainer.dataset(columns, batch_size=recipe.batch_size, steps=1, seed=req.seed)
+            per_step = trainer.step_seconds(model, loss, probe, recipe)
             run["max_steps"] = max(1, int(req.minutes * 60 * 0.9 / per_step)) if req.minutes else 1
             say(f"one step takes {per_step:.2f} s here: {run['max_steps']} steps fit {req.minutes:g} minutes")
         _write_json(work / RUN_FILE, run)
     max_steps = int(run["max_steps"])
+    data = trainer.dataset(columns, batch_size=recipe.batch_size, steps=max_steps, seed=req.seed)
     save_steps = max(1, min(max(1, max_steps // 5), 200))
     say(f"tuning {req.base} on {where} for {max_steps} steps (batch {recipe.batch_size}, lr {recipe.learning_rate:g}, "
         f"{recipe.max_seq_length} tokens, checkpoints every {save_steps} steps in {work})")
@@ -160,7 +163,7 @@ def tune(settings: Settings, req: Request, *, say: Say = print) -> Result:
     misses = heldout.gate(base_figures, tuned_figures, recipe.tolerance)
     say(heldout.table(base_figures, tuned_figures))
     if misses and not req.force:
-        shutil.rmtree(work, ignore_errors=True)
+        _remove_work(work)
         raise GateRefused(f"{req.name} not published: worse than {req.base} on the held-out split beyond "
                           f"{recipe.tolerance:g} at {'; '.join(misses[:6])}{' …' if len(misses) > 6 else ''} "
                           "(--force publishes anyway, recorded in the manifest)")
@@ -180,7 +183,7 @@ def tune(settings: Settings, req: Request, *, say: Say = print) -> Result:
         model.save(str(folder))
         manifest = prepare_model(models_dir, req.name, force=True, from_dir=folder, lineage=lineage,
                                  keep_weights=True, say=say)
-    shutil.rmtree(work, ignore_errors=True)
+    _remove_work(work)
     version = None
     if req.rollout is not None:
         version = rollout(settings, req, say=say)
@@ -201,12 +204,13 @@ def load_catalog(source: str, *, id_field: str, text_fields: Sequence[str], say:
         label = str(version / store.PRODUCTS_FILE)
     else:
         loaded = read_path(source, id_field=id_field, text_fields=text_fields)
-        say(loaded.summary())
         products, label = loaded.products, source
     products = [p for p in products if p.fields.get("title", "").strip() or any(p.fields.get(f) for f in text_fields)]
     if len(products) < MIN_PRODUCTS:
         raise InvalidInput(f"catalog {source} has {len(products)} products with text: tuning needs at least "
                            f"{MIN_PRODUCTS}")
+    if not path.is_dir():
+        say(loaded.summary())
     return products, label
 
 
@@ -264,6 +268,12 @@ def _open_work(work: Path, inputs: dict[str, Any], say: Say) -> dict[str, Any]:
     run = {"inputs": inputs}
     _write_json(run_file, run)
     return run
+
+
+def _remove_work(work: Path) -> None:
+    shutil.rmtree(work, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        work.parent.rmdir()  # .tune/ itself once no run is in flight
 
 
 def _write_json(path: Path, data: Any) -> None:

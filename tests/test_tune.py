@@ -1,0 +1,218 @@
+"""`embedcar model tune` on a tiny random model and a synthetic catalog it cannot know before tuning
+(tests/fixtures_tuning.py): it beats its base on held-out products, the gate refuses a worse model and
+leaves nothing behind, a killed run resumes to the same weights, query logs are validated, mistakes
+are one line, and the tuned model rolls out with its index under load without one mixed reply."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from catalog.settings import Settings as CatalogSettings
+from catalog.tuning.recipe import Recipe
+from catalog.tuning.tune import GateRefused, Request, Result, tune
+from demo_ui.settings import Settings
+from inference.errors import InvalidInput
+from inference.manifest import load_manifest
+from sidecar.app import SidecarThread
+from tests.conftest import ROOT
+from tests.fixtures_models import tiny_st_folder
+from tests.fixtures_sidecar import sidecar_settings
+from tests.fixtures_tuning import catalog_words, synthetic_catalog
+from tests.test_rollout import Load, _assert_never_mixed, _candidate_warm, _wait
+
+BASE = "shop"
+RECIPE = Recipe(learning_rate=1e-3, batch_size=16, held_share=0.2)  # a tiny model learns fast or not at all
+
+
+@pytest.fixture(scope="module")
+def catalog(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return synthetic_catalog(tmp_path_factory.mktemp("catalog") / "shop.jsonl")
+
+
+@pytest.fixture(scope="module")
+def base_src(catalog: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_st_folder(tmp_path_factory.mktemp("base") / "src", corpus=catalog_words(catalog), seed=3)
+
+
+@pytest.fixture
+def models(base_src: Path, tmp_path: Path) -> Path:
+    from inference.prepare import prepare_model
+
+    out = tmp_path / "models"
+    prepare_model(out, BASE, from_dir=base_src, say=lambda _m: None)
+    return out
+
+
+def _settings(models: Path) -> CatalogSettings:
+    s = CatalogSettings.load()
+    return dataclasses.replace(s, model=dataclasses.replace(s.model, models_dir=models, name=BASE))
+
+
+def _tune(models: Path, catalog: Path, name: str, **kw: object) -> Result:
+    req = Request(**{"base": BASE, "catalog": str(catalog), "name": name, "recipe": RECIPE, "steps": 40,
+                     "progress": False, **kw})  # type: ignore[arg-type]
+    return tune(_settings(models), req, say=lambda _m: None)
+
+
+def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "inference.cli_main", *args], cwd=ROOT, capture_output=True,
+                          text=True, check=False, timeout=timeout)
+
+
+def _left(models: Path) -> list[str]:
+    return sorted(p.name for p in models.iterdir())
+
+
+def test_tuning_beats_its_base_on_held_out_products(models: Path, catalog: Path) -> None:
+    r = _tune(models, catalog, "tuned")
+    assert r.misses == [] and r.steps == 40
+    base, tuned = r.base["aisle"], r.tuned["aisle"]
+    # aisle names never appear in titles: only training can link them to the products' nouns
+    assert tuned["100"]["ndcg_at_10"] >= base["100"]["ndcg_at_10"] + 0.1, (base, tuned)
+    assert tuned["50"]["ndcg_at_10"] > base["50"]["ndcg_at_10"], (base, tuned)
+    assert {s for s in r.tuned} == {"aisle", "attribute", "known-item"}
+    assert set(r.tuned["known-item"]) == {"25", "50", "75", "100"}
+    m = load_manifest(models / "tuned")
+    assert m.lineage["base"] == load_manifest(models / BASE).version_id
+    assert m.lineage["gate"] == "passed" and m.lineage["steps"] == 40 and m.lineage["seed"] == 0
+    assert m.lineage["recipe"]["learning_rate"] == RECIPE.learning_rate
+    assert m.lineage["held_out"]["tuned"] == r.tuned and m.lineage["pairs"]["taxonomy"] > 0
+    assert m.max_length == load_manifest(models / BASE).max_length  # trained at 32 tokens, served as the base
+    assert (models / "tuned" / "weights" / "config.json").is_file()  # what a later tune starts from
+    assert _left(models) == [BASE, "tuned"]  # the run's folder is gone
+    # a tuned model tunes again from its kept weights
+    again = _tune(models, catalog, "tuned-twice", base="tuned", steps=5, force=True)
+    assert load_manifest(models / "tuned-twice").lineage["base"] == m.version_id and again.steps == 5
+
+
+def test_gate_refuses_a_worse_model_and_leaves_nothing_behind(models: Path, catalog: Path) -> None:
+    bad = dataclasses.replace(RECIPE, learning_rate=0.5)  # wrecks the weights
+    with pytest.raises(GateRefused, match="worse than shop on the held-out split") as err:
+        _tune(models, catalog, "wrecked", recipe=bad)
+    assert "--force" in str(err.value)
+    assert _left(models) == [BASE]
+    forced = _tune(models, catalog, "wrecked", recipe=bad, force=True)
+    assert forced.misses and load_manifest(models / "wrecked").lineage["gate"].startswith("forced past: ")
+
+
+def test_killed_run_resumes_to_the_same_weights(models: Path, catalog: Path) -> None:
+    from safetensors.numpy import load_file
+
+    def cmd(name: str) -> list[str]:
+        return [sys.executable, "-m", "inference.cli_main", "model", "tune", "--models-dir", str(models),
+                "--model", BASE, "--catalog", str(catalog), "--as", name, "--steps", "300", "--batch-size", "16",
+                "--learning-rate", "1e-3", "--held-share", "0.2", "--no-progress", "--force"]
+
+    whole = subprocess.run(cmd("whole"), cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    proc = subprocess.Popen(cmd("killed"), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ckpts = models / ".tune" / "killed" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not list(ckpts.glob("checkpoint-*/elapsed.json")):  # a complete checkpoint
+        assert proc.poll() is None, "the run ended before its first checkpoint"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    assert not (models / "killed").exists()  # nothing published by a killed run
+    resumed = subprocess.run(cmd("killed"), cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming the run" in resumed.stderr
+    a = load_file(str(models / "whole" / "weights" / "model.safetensors"))
+    b = load_file(str(models / "killed" / "weights" / "model.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    assert load_manifest(models / "killed").lineage["steps"] == 300
+
+
+def test_query_log_pairs_train_and_are_held_out(models: Path, catalog: Path, tmp_path: Path) -> None:
+    rows = [json.loads(line) for line in catalog.read_text().splitlines()]
+    log = tmp_path / "log.csv"
+    # a shopper's words for an aisle: the aisle's second word -> its products (with clicks)
+    lines = ["query,product_id,clicks"] + [f"{r['aisle'].split()[1]} {i % 7},{r['id']},{i % 3}"
+                                           for i, r in enumerate(rows)]
+    log.write_text("\n".join(lines) + "\n")
+    r = _tune(models, catalog, "logged", pairs=log, force=True)
+    assert "logged" in r.tuned and set(r.tuned["logged"]) == {"25", "50", "75", "100"}
+    lineage = load_manifest(models / "logged").lineage
+    assert lineage["logged_pairs"] == len(rows) and lineage["pairs"]["logged"] > 0
+    assert lineage["pairs_sha256"]
+
+
+def test_a_mostly_bad_query_log_is_refused_naming_the_row(models: Path, catalog: Path, tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"query": f"q{i}", "product_id": f"nope{i}"}) + "\n" for i in range(20)))
+    with pytest.raises(InvalidInput, match="line 1"):
+        _tune(models, catalog, "x", pairs=log)
+    assert _left(models) == [BASE]
+
+
+def test_mistakes_are_one_line(models: Path, catalog: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    wrong = tmp_path / "wrong.csv"
+    wrong.write_text("search,sku_code\nmilk,p1\n")
+    common = ["model", "tune", "--models-dir", str(models), "--catalog", str(catalog), "--as", "t", "--steps", "2"]
+    cases = {
+        "no prepared model 'nope'": [*common, "--model", "nope"],
+        "empty.jsonl": ["model", "tune", "--models-dir", str(models), "--model", BASE, "--catalog", str(empty),
+                        "--as", "t", "--steps", "2"],
+        "out of range": [*common[:-2], "--minutes", "0"],
+        "wrong.csv": [*common, "--model", BASE, "--pairs", str(wrong)],
+        "--as '../up'": [*common[:6], "--as", "../up", "--steps", "2"],
+        "unknown pair kinds": [*common, "--mix", "typo=1"],
+    }
+    for expect, args in cases.items():
+        proc = _cli(*args)
+        assert proc.returncode == 2, (expect, proc.stderr[-2000:])
+        # one line says it (argparse's own mistakes come after its usage lines)
+        said = [line for line in proc.stderr.splitlines() if expect in line]
+        assert "Traceback" not in proc.stderr and len(said) == 1, (expect, proc.stderr)
+        assert said[0].startswith(("embedcar: ", "embedcar model tune: error: ")), said
+    assert _left(models) == [BASE]
+
+
+@pytest.mark.slow
+def test_tuned_in_place_rolls_out_with_its_index_under_load(models: Path, catalog: Path, settings: Settings,
+                                                            tmp_path: Path) -> None:
+    index_root = tmp_path / "index"
+    common = ["--models-dir", str(models), "--model", BASE]
+    built = _cli("catalog", "build", str(catalog), "--index-root", str(index_root), "--no-progress", *common)
+    assert built.returncode == 0, built.stderr[-2000:]
+    v1 = load_manifest(models / BASE)
+    v1_id = v1.variant_id(v1.default_variant)
+    s = sidecar_settings(settings, index_dir=index_root, index_poll_s=0.2, model_poll_s=0.2, grace_s=0.5)
+    s = dataclasses.replace(s, model=dataclasses.replace(s.model, models_dir=models, name=BASE, variant=""))
+    with SidecarThread(s) as sc, Load(sc.grpc_target) as load:
+        load.wait_for_model(v1_id)
+        tuned = _cli("model", "tune", *common, "--catalog", str(catalog), "--as", BASE, "--steps", "40",
+                     "--batch-size", "16", "--learning-rate", "1e-3", "--held-share", "0.2", "--no-progress",
+                     "--rollout", str(index_root))
+        assert tuned.returncode == 0, tuned.stderr[-2000:]
+        v2 = load_manifest(models / BASE)
+        v2_id = v2.variant_id(v2.default_variant)
+        assert v2_id != v1_id and v2.lineage["base"] == v1.version_id
+        load.wait_for_model(v2_id)
+        back = _cli("model", "rollback", *common)  # the base again, with its index
+        assert back.returncode == 0, back.stderr[-2000:]
+        load.wait_for_model(v1_id)
+        _wait(lambda: not _candidate_warm(sc))
+    _assert_never_mixed(load, index_root, v1_id, v2_id)
+
+
+@pytest.mark.gpu
+def test_tune_on_a_gpu(models: Path, catalog: Path) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU here: the trainer's device choice and bf16/fp16 autocast run where one is lent")
+    _tune(models, catalog, "on-gpu", force=True)
+    assert load_manifest(models / "on-gpu").lineage["device"] == "cuda"
