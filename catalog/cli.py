@@ -86,7 +86,7 @@ def register(sub: Any) -> None:
     g.set_defaults(func=_generate)
 
     s = csub.add_parser("search", help="embed queries and search the newest index version")
-    add_flags(s, "catalog", CatalogSettings, "index_root")  # only what searching reads
+    add_flags(s, "catalog", CatalogSettings, "index_root", "complete_last_word")  # only what searching reads
     add_model_flags(s)
     s.add_argument("queries", nargs="+", help="query texts")
     s.add_argument("-k", type=int, default=10, help="results per query")
@@ -120,7 +120,7 @@ def register(sub: Any) -> None:
     q.add_argument("--known-items", type=int, default=1000, help="known-item queries")
     q.add_argument("--seed", type=int, default=0, help="which known-item queries are drawn")
     q.add_argument("--ann", default="ivf,hnsw", help="approximate index types to compare with exact")
-    add_flags(q, "catalog", CatalogSettings, "text_fields", "rrf_k", "fusion_depth")
+    add_flags(q, "catalog", CatalogSettings, "text_fields", "rrf_k", "fusion_depth", "complete_last_word")
     q.add_argument("--prefixes", action="store_true",
                    help="typeahead: cut each query to --cuts of its characters and score semantic, lexical and "
                    "hybrid search on the newest index under --index-root (built by `catalog build`)")
@@ -179,7 +179,7 @@ def _search(args: argparse.Namespace) -> int:
     if mode != SearchMode.LEXICAL:
         embedder = Embedder(load_tokenizer(settings.model.model_dir, load_manifest(settings.model.model_dir)),
                             backend)
-        emb = asyncio.run(embedder.embed(args.queries)).embeddings
+        emb = asyncio.run(embedder.embed(index.embedding_texts(args.queries))).embeddings
     shown = tuple(index.manifest.get("text_fields") or ("title",))
     found, _ranking = index.query(args.queries, emb, args.k, mode=mode, department=args.department, aisle=args.aisle)
     for query, hits in zip(args.queries, found, strict=True):
@@ -249,7 +249,7 @@ def _prefix_quality(args: argparse.Namespace, settings: Settings) -> int:
     result = asyncio.run(evaluate_prefixes(settings, known_items=args.known_items, seed=args.seed, cuts=cuts,
                                            modes=[parse_mode(m) for m in _list(args.modes)]))
     print(f"index {result['index_version']} ({result['items']} items, FAISS {result['faiss']['type']}), "
-          f"fusion {result['fusion']}")
+          f"fusion {result['fusion']}, complete_last_word {result['complete_last_word']}")
     print(markdown(result))
     for line in verdict(result):
         print(line)

@@ -35,6 +35,7 @@ from catalog.settings import CatalogSettings
 from inference.errors import FailedPrecondition, Internal, InvalidInput, ModelError, NotFound, Unavailable
 
 if TYPE_CHECKING:
+    from catalog.completion import Completer
     from catalog.lexical import LexicalHits, LexicalIndex
 
 log = logging.getLogger(__name__)
@@ -262,6 +263,7 @@ class _Snapshot:
     table: Any  # pyarrow.Table, row i = vector i
     on_gpu: bool
     lexical: LexicalIndex | None  # None: a version built before lexical search
+    completer: Completer | None = None  # the version's vocabulary, where complete_last_word is on
     filters: OrderedDict[tuple[str, str], tuple[I64, Any]] = field(default_factory=OrderedDict)
     filters_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -304,9 +306,10 @@ class ProductIndex:
 
     def __init__(self, index_root: Path, snapshot: _Snapshot, *, expected_model_id: str | None,
                  nprobe: int | None, ef_search: int | None, use_gpu: bool, search_threads: int = 1,
-                 fusion: Fusion | None = None) -> None:
+                 fusion: Fusion | None = None, complete_last_word: bool = False) -> None:
         self.index_root = index_root
         self.fusion = fusion or Fusion()
+        self.complete_last_word = complete_last_word
         self._search_threads = max(1, search_threads)
         self._snap = snapshot
         self._expected = expected_model_id
@@ -318,8 +321,9 @@ class ProductIndex:
     @classmethod
     def open(cls, index_root: Path, *, expected_model_id: str | None, search_threads: int = 1,
              nprobe: int | None = None, ef_search: int | None = None, use_gpu: bool = True,
-             fusion: Fusion | None = None) -> Self:
-        """Load the newest complete version. nprobe/ef None = the values recorded at build time."""
+             fusion: Fusion | None = None, complete_last_word: bool = False) -> Self:
+        """Load the newest complete version. nprobe/ef None = the values recorded at build time;
+        complete_last_word: `embedding_texts` completes a half-typed last word (catalog/completion.py)."""
         faiss = faiss_module()
 
         faiss.omp_set_num_threads(max(1, search_threads))
@@ -331,17 +335,18 @@ class ProductIndex:
             if other is None:
                 raise Unavailable(f"no complete index under {index_root}: run `embedcar catalog build`")
             raise _other_model(other, store.read_manifest(other).get("model_id"), expected_model_id)
-        snap = _load(path, nprobe=nprobe, ef_search=ef_search, use_gpu=use_gpu)
+        snap = _load(path, nprobe=nprobe, ef_search=ef_search, use_gpu=use_gpu, completion=complete_last_word)
         _check_model(snap, expected_model_id)
         return cls(index_root, snap, expected_model_id=expected_model_id, nprobe=nprobe, search_threads=search_threads,
-                   ef_search=ef_search, use_gpu=use_gpu, fusion=fusion)
+                   ef_search=ef_search, use_gpu=use_gpu, fusion=fusion, complete_last_word=complete_last_word)
 
     @classmethod
     def from_settings(cls, cs: CatalogSettings, *, expected_model_id: str | None,
                       index_root: Path | None = None) -> Self:
         return cls.open(index_root or cs.index_root, expected_model_id=expected_model_id,
                         search_threads=cs.search_threads, nprobe=cs.ivf_nprobe or None,
-                        ef_search=cs.hnsw_ef_search, use_gpu=cs.use_gpu, fusion=Fusion.from_settings(cs))
+                        ef_search=cs.hnsw_ef_search, use_gpu=cs.use_gpu, fusion=Fusion.from_settings(cs),
+                        complete_last_word=cs.complete_last_word)
 
     # --- properties of the version being served ------------------------------------------
     @property
@@ -392,14 +397,15 @@ class ProductIndex:
         log.info("index %s loaded (%d items)", snap.path.name, snap.size)
         return type(self)(self.index_root, snap, expected_model_id=self._expected, nprobe=self._nprobe,
                           ef_search=self._ef, use_gpu=self._use_gpu, search_threads=self._search_threads,
-                          fusion=self.fusion)
+                          fusion=self.fusion, complete_last_word=self.complete_last_word)
 
     def _newer_snapshot(self) -> _Snapshot | None:
         path = store.newest_version(self.index_root, model_id=self._expected)
         if path is None or path.name <= self._snap.path.name:
             return None
         try:
-            snap = _load(path, nprobe=self._nprobe, ef_search=self._ef, use_gpu=self._use_gpu)
+            snap = _load(path, nprobe=self._nprobe, ef_search=self._ef, use_gpu=self._use_gpu,
+                         completion=self.complete_last_word)
             _check_model(snap, self._expected)
         except (ModelError, NotFound, Unavailable, Internal) as exc:  # pruned/broken: keep serving
             log.warning("not swapping to index %s: %s", path.name, exc.message)
@@ -407,6 +413,21 @@ class ProductIndex:
         return snap
 
     # --- search -------------------------------------------------------------------------------
+    def embedding_texts(self, texts: Sequence[str], *, max_chars: int | None = None) -> list[str]:
+        """What the semantic leg embeds for these query texts: the one place that decides it (the
+        sidecar's Search and `catalog quality --prefixes` both call it). With complete_last_word, a
+        half-typed last word completed from this version's vocabulary (catalog/completion.py); the
+        lexical leg keeps the typed text (it reads the last word as a prefix). A completion longer
+        than `max_chars` (what the embedder accepts) is not made: the typed text must not be refused."""
+        completer = self._snap.completer
+        if completer is None:
+            return list(texts)
+        out = []
+        for t in texts:
+            done = completer.complete(t)
+            out.append(t if max_chars is not None and len(done) > max_chars else done)
+        return out
+
     def search(self, queries: npt.NDArray[np.floating], k: int = 10, *, department: str | None = None,
                aisle: str | None = None) -> list[list[Hit]]:
         """Semantic search: the nearest products to each query vector."""
@@ -566,7 +587,8 @@ def _other_model(path: Path, got: object, expected: str | None) -> ModelError:
                       f"{expected}: rebuild it with `embedcar catalog build`")
 
 
-def _load(path: Path, *, nprobe: int | None, ef_search: int | None, use_gpu: bool) -> _Snapshot:
+def _load(path: Path, *, nprobe: int | None, ef_search: int | None, use_gpu: bool,
+          completion: bool = False) -> _Snapshot:
     import pyarrow.parquet as pq
 
     faiss = faiss_module()
@@ -596,9 +618,14 @@ def _load(path: Path, *, nprobe: int | None, ef_search: int | None, use_gpu: boo
         if lexical.docs != table.num_rows:
             raise ModelError(f"index version {path.name} is inconsistent: lexical index {lexical.docs} "
                              f"documents, products {table.num_rows}")
+    completer = None
+    if completion:  # built with the version (~0.1 s at 50k titles), so a swap replaces it too
+        from catalog.completion import Completer
+
+        completer = Completer.from_table(table, manifest.get("text_fields") or ("title",))
     on_gpu = False
     if use_gpu and hasattr(faiss, "get_num_gpus") and faiss.get_num_gpus() > 0 and kind in ("flat", "ivf"):
         # Same interface on the GPU; FAISS has no GPU HNSW, fast-scan PQ or re-rank wrapper: CPU.
         index = faiss.index_cpu_to_all_gpus(index)
         on_gpu = True
-    return _Snapshot(path, manifest, index, vectors, table, on_gpu, lexical)
+    return _Snapshot(path, manifest, index, vectors, table, on_gpu, lexical, completer)

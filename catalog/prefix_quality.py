@@ -4,7 +4,9 @@ A typeahead query is nearly always a prefix cut mid-word. Each weak-label query 
 (aisle names; known-item title fragments) is cut to 25/50/75/100 % of its characters and searched
 semantic, lexical and hybrid on the newest published index version, the one the sidecar serves
 (its FAISS index as built, HNSW for the grocery catalog, and its lexical index), through
-`ProductIndex.rank`, the code behind Search; the cut queries are embedded by the job's backend.
+`ProductIndex.rank`, the code behind Search; the cut queries are embedded by the job's backend,
+as Search embeds them (`ProductIndex.embedding_texts`: catalog.complete_last_word completes the
+last word for the semantic leg).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ async def evaluate_prefixes(settings: Settings, *, known_items: int = 1000, seed
                         max_batch=max(len(s.queries) for s in sets))
     result: dict[str, Any] = {"index_version": index.version, "items": index.size, "model_id": index.model_id,
                               "faiss": index.manifest["index"], "fusion": dataclasses.asdict(fusion),
+                              "complete_last_word": index.complete_last_word,
                               "cuts": list(cuts), "modes": [m.value for m in modes], "sets": {}}
     try:
         await backend.start()
@@ -71,7 +74,8 @@ async def _score_set(index: ProductIndex, embedder: Embedder, qs: QuerySet, cuts
     out: dict[str, Any] = {}
     for pct in cuts:
         texts = [cut(q, pct) for q in qs.queries]
-        vectors = await embed_all(embedder, texts, batch)
+        # What Search embeds (ProductIndex.embedding_texts: the completed last word where that is on)
+        vectors = await embed_all(embedder, index.embedding_texts(texts), batch)
         out[str(pct)] = {
             m.value: dataclasses.asdict(score([r.rows for r in index.rank(texts, vectors, K, mode=m,
                                                                           fusion=fusion).lists], qs.relevant))

@@ -15,10 +15,11 @@ With one tenant or no keys every request shares the cache, as the operator's war
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from catalog.fusion import SearchMode, parse_mode
 from inference.backends.base import Embeddings
@@ -26,7 +27,7 @@ from inference.errors import InvalidInput, Overloaded, Unauthenticated
 from sidecar.auth import KeyRing
 from sidecar.metrics import Metrics
 from sidecar.models import ModelSet, ServedModel
-from sidecar.pipeline import Embedded
+from sidecar.pipeline import TOKENIZE_ON_LOOP_MAX, Embedded
 from sidecar.ratelimit import RateLimiter
 from sidecar.timings import Timings
 
@@ -154,8 +155,14 @@ class EmbedService:
             tm.cache = time.perf_counter_ns() - t1
             vectors, cache_hits, backend = None, [False] * len(clean), ""
         else:
-            emb = await served.pipeline.run(texts, self._deadline(deadline), tm, self.partition(tenant))
-            clean = cast(list[str], list(texts))  # the pipeline has checked they are strings
+            clean = served.pipeline.validate(texts)  # strings: the index decides what is embedded of them
+            # The typed texts, or with complete_last_word their completed last words: embedded, and
+            # cached, as the text actually embedded; the lexical leg below keeps the typed ones.
+            if len(clean) <= TOKENIZE_ON_LOOP_MAX:  # ~5-60 µs a text: a big batch leaves the loop, as tokenizing does
+                embedded = index.embedding_texts(clean, max_chars=served.pipeline.max_chars)
+            else:
+                embedded = await asyncio.to_thread(index.embedding_texts, clean, max_chars=served.pipeline.max_chars)
+            emb = await served.pipeline.run(embedded, self._deadline(deadline), tm, self.partition(tenant))
             vectors, cache_hits, backend = emb.embeddings, emb.cache_hits, emb.backend
         t2 = time.perf_counter_ns()
         hits, ranking = await holder.query(index, clean, vectors, k, mode=mode, department=department or None,
