@@ -120,7 +120,8 @@ def register(sub: Any) -> None:
     q.add_argument("--known-items", type=int, default=1000, help="known-item queries")
     q.add_argument("--seed", type=int, default=0, help="which known-item queries are drawn")
     q.add_argument("--ann", default="ivf,hnsw", help="approximate index types to compare with exact")
-    add_flags(q, "catalog", CatalogSettings, "text_fields", "rrf_k", "fusion_depth", "complete_last_word")
+    add_flags(q, "catalog", CatalogSettings, "text_fields", "rrf_k", "fusion_depth", "fusion_complete_weight",
+              "fusion_partial_weight", "fusion_single_word_weight", "complete_last_word")
     q.add_argument("--prefixes", action="store_true",
                    help="typeahead: cut each query to --cuts of its characters and score semantic, lexical and "
                    "hybrid search on the newest index under --index-root (built by `catalog build`)")

@@ -85,31 +85,40 @@ class Fusion:
 
     Tier 1: the products the lexical leg matched on every typed word and the prefix, ordered by
     RRF with the lexical leg weighted `complete_weight`: lexical order, the semantic rank breaking
-    near-ties. Tier 2: the rest, by RRF with the legs weighted 1:1, or with the lexical leg at
-    `partial_weight` when no product matched every word (the lexical leg then only saw some of the
-    words: weak evidence, the semantic leg leads). Tier-1 scores are 1 + their RRF score, so scores
-    fall along the list.
+    near-ties. A query of one word (or one half-typed prefix) is the exception: every lexical hit
+    then "matches every word", so the tier is only "the lexical leg found it" and its lexical
+    weight is `single_word_weight`, below 1: the semantic rank orders the lexical hits. Tier 2:
+    the rest, by RRF with the legs weighted 1:1, or with the lexical leg at `partial_weight` when
+    no product matched every word (the lexical leg then only saw some of the words: weak evidence,
+    the semantic leg leads). Tier-1 scores are 1 + their RRF score, so scores fall along the list.
 
     Measured on the weak-label prefix sets (`embedcar catalog quality --prefixes`, docs/benchmarks.md):
     plain RRF at k = 60 fell below the better single leg at 7 of 8 cuts (below lexical on short
     prefixes and known items, below semantic on whole aisle names), and no constant leg weight
     fixed both ends; these tiers and weights met "hybrid >= the better leg" at every cut, also on a
-    second, held-out draw of known-item queries.
+    second, held-out draw of known-item queries. With catalog.complete_last_word the semantic leg
+    got far better on short prefixes and the one-word tier in lexical order (weight 8) fell below
+    semantic on aisle names at 25 / 50 %; `single_word_weight` 0.5 was chosen on a small grid with
+    the other weights kept (issue 45, "Fusion with completion").
     """
 
     k: float = 10.0
     depth: int = 50
     complete_weight: float = 8.0
     partial_weight: float = 0.25
+    single_word_weight: float = 0.5
 
     @classmethod
     def from_settings(cls, cs: CatalogSettings) -> Fusion:
         return cls(k=cs.rrf_k, depth=max(1, cs.fusion_depth), complete_weight=cs.fusion_complete_weight,
-                   partial_weight=cs.fusion_partial_weight)
+                   partial_weight=cs.fusion_partial_weight, single_word_weight=cs.fusion_single_word_weight)
 
-    def fuse(self, semantic: Ranked, lexical: Ranked, complete: AbstractSet[int], limit: int) -> Ranked:
-        """The best `limit` of both legs' rows; `complete`: the rows matching every typed word."""
+    def fuse(self, semantic: Ranked, lexical: Ranked, complete: AbstractSet[int], limit: int, *,
+             single_word: bool = False) -> Ranked:
+        """The best `limit` of both legs' rows; `complete`: the rows matching every typed word;
+        `single_word`: the query was one word or prefix (every lexical hit is then complete)."""
         k = self.k
+        tier_weight = self.single_word_weight if single_word else self.complete_weight
         ranks = {SEMANTIC_LEG: _ranks(semantic.rows), LEXICAL_LEG: _ranks(lexical.rows)}
         sem, lex = ranks[SEMANTIC_LEG], ranks[LEXICAL_LEG]
         rest_weight = 1.0 if complete else self.partial_weight
@@ -119,5 +128,5 @@ class Fusion:
                 continue
             s = 1.0 / (k + sem[r]) if r in sem else 0.0
             x = 1.0 / (k + lex[r]) if r in lex else 0.0
-            scores[r] = 1.0 + s + self.complete_weight * x if r in complete else s + rest_weight * x
+            scores[r] = 1.0 + s + tier_weight * x if r in complete else s + rest_weight * x
         return _top(scores, ranks, limit)

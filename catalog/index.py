@@ -479,8 +479,8 @@ class ProductIndex:
             lex = [snap.lexical.search(t, depth, department=department, aisle=aisle) for t in texts]
             out.lexical_ns = time.perf_counter_ns() - t0
         if semantic and lexical:
-            out.lists = [fusion.fuse(s, Ranked.single(LEXICAL_LEG, x.rows, x.scores), x.complete, k)
-                         for s, x in zip(sem, lex, strict=True)]
+            out.lists = [fusion.fuse(s, Ranked.single(LEXICAL_LEG, x.rows, x.scores), x.complete, k,
+                                     single_word=x.terms == 1) for s, x in zip(sem, lex, strict=True)]
         elif lexical:
             out.lists = [Ranked.single(LEXICAL_LEG, x.rows, x.scores) for x in lex]
         else:

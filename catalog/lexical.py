@@ -128,6 +128,7 @@ class LexicalHits:
     rows: I64  # best first
     scores: F32  # BM25
     complete: frozenset[int]  # rows of the best k that match every word and the prefix
+    terms: int = 0  # words and prefix searched: with 1, every hit matches every word (the fusion's one-word tier)
 
 
 class LexicalIndex:
@@ -181,15 +182,17 @@ class LexicalIndex:
         return any_word, filtered(tantivy.Query.boolean_query([(tantivy.Occur.Must, c) for c in clauses]))
 
     def search(self, text: str, k: int, *, department: str | None = None, aisle: str | None = None) -> LexicalHits:
-        """The best `k` products for one query text by BM25, and which of the best `k` matching every
-        word there are (for the fusion); empty when the text has no word (punctuation only, say)."""
-        qs = self.queries(Terms.of(text), department, aisle)
+        """The best `k` products for one query text by BM25, which of the best `k` matching every word
+        there are and how many words (the prefix one) were searched, for the fusion; empty when the
+        text has no word (punctuation only, say)."""
+        terms = Terms.of(text)
+        qs = self.queries(terms, department, aisle)
         if qs is None or k < 1:
             return LexicalHits(np.zeros(0, np.int64), np.zeros(0, np.float32), frozenset())
         any_word, every_word = qs
         rows, scores = self._top(any_word, k)
         complete = frozenset(rows.tolist()) if every_word is None else frozenset(self._top(every_word, k)[0].tolist())
-        return LexicalHits(rows, scores, complete)
+        return LexicalHits(rows, scores, complete, len(terms.words) + (terms.prefix is not None))
 
     def _top(self, q: tantivy.Query, k: int) -> tuple[I64, F32]:
         try:

@@ -66,11 +66,16 @@ class CatalogSettings:
     fusion_depth: int = setting(50, "Hybrid Search: candidates read from each leg (semantic, lexical) before fusing.",
                                 min=1)
     fusion_complete_weight: float = setting(
-        8.0, "Hybrid Search: lexical leg weight when ordering the products that match every typed word (ranked first).",
-        min=0)
+        8.0, "Hybrid Search: lexical leg weight when ordering the products that match every typed word of a query of "
+        "two or more words (ranked first).", min=0)
     fusion_partial_weight: float = setting(
         0.25, "Hybrid Search: lexical leg weight when no product matches every typed word (the semantic leg leads).",
         min=0)
+    fusion_single_word_weight: float = setting(
+        0.5, "Hybrid Search: lexical leg weight when ordering the products ranked first for a one-word query "
+        "(every lexical hit then matches every typed word; below 1, the semantic rank orders them). 8 (as "
+        "fusion_complete_weight) scored below semantic on aisle names at 25 / 50 % with complete_last_word; "
+        "0.5 above both legs at every cut (docs/benchmarks.md, issue 45).", min=0)
     complete_last_word: bool = setting(
         True, "Search (semantic and hybrid): embed the query with its half-typed last word completed to the "
         "index version's most frequent word starting with it ('ice cr' -> 'ice cream'; catalog/completion.py); "

@@ -53,9 +53,25 @@ def test_fuse_lets_the_semantic_leg_lead_when_nothing_matches_every_word() -> No
     assert f.fuse(Ranked([], [], []), lexical, frozenset({8}), 5).rows == [8, 7]
 
 
+def test_a_one_word_query_lets_the_semantic_rank_order_the_lexical_hits() -> None:
+    """One word or prefix: every lexical hit "matches every word", so the tier's lexical weight is
+    single_word_weight (the semantic rank orders the lexical hits); they still come first."""
+    f = Fusion(k=10, depth=50, complete_weight=8.0, partial_weight=0.25, single_word_weight=0.5)
+    semantic = Ranked.single("semantic", [3, 9, 1, 2], [0.9, 0.8, 0.7, 0.6])
+    lexical = Ranked.single("lexical", [1, 2, 3, 4], [9.0, 8.0, 7.0, 6.0])
+    every = frozenset({1, 2, 3, 4})
+    assert f.fuse(semantic, lexical, every, 10).rows == [1, 2, 3, 4, 9]  # several words: lexical order
+    one = f.fuse(semantic, lexical, every, 10, single_word=True)
+    assert one.rows == [3, 1, 2, 4, 9]  # semantic order among the lexical hits, then the semantic-only row
+    assert one.scores == sorted(one.scores, reverse=True) and one.scores[3] > 1.0 > one.scores[4]
+    assert Fusion(single_word_weight=8.0).fuse(semantic, lexical, every, 10, single_word=True).rows == \
+        f.fuse(semantic, lexical, every, 10).rows  # at complete_weight: as every query was fused before
+
+
 def test_fusion_settings_and_modes() -> None:
-    f = Fusion.from_settings(CatalogSettings(rrf_k=30.0, fusion_depth=0))
-    assert f.k == 30.0 and f.depth == 1
+    f = Fusion.from_settings(CatalogSettings(rrf_k=30.0, fusion_depth=0, fusion_single_word_weight=2.0))
+    assert f.k == 30.0 and f.depth == 1 and f.single_word_weight == 2.0
+    assert Fusion.from_settings(CatalogSettings()) == Fusion()  # the settings' defaults are the class's
     assert parse_mode("HYBRID") is SearchMode.HYBRID and parse_mode(SearchMode.LEXICAL) is SearchMode.LEXICAL
     assert parse_mode(" semantic ") is SearchMode.SEMANTIC
     with pytest.raises(InvalidInput, match="unknown search mode"):

@@ -14,7 +14,7 @@ import pytest
 from catalog import store
 from catalog.fusion import SearchMode
 from catalog.index import ProductIndex
-from catalog.lexical import LEXICAL_DIR, MAX_QUERY_WORDS, PREFIX_MAX_CHARS, Terms, edge_ngrams, words
+from catalog.lexical import LEXICAL_DIR, MAX_QUERY_WORDS, PREFIX_MAX_CHARS, LexicalIndex, Terms, edge_ngrams, words
 from catalog.publish import publish_index
 from catalog.sources import Product
 from demo_ui.settings import Settings
@@ -97,6 +97,12 @@ def test_the_partial_last_word_matches_as_a_prefix_with_bm25_over_whole_words(id
     assert set(titles(idx, "milk ")) == {"Organic Whole Milk", "Chocolate Milk", "Oat Milk Barista"}  # whole word
     assert titles(idx, "creme brul") == ["Crème Brûlée Yogurt"]  # accents folded on both sides
     assert titles(idx, "zzz") == []
+    lex = LexicalIndex.open(idx.index_root / idx.version, idx.manifest["lexical"])
+    one = lex.search("choc", 10)  # one term: every hit matches every word (the fusion's one-word tier)
+    assert one.terms == 1 and one.complete == frozenset(one.rows.tolist()) and len(one.rows) == 3
+    assert lex.search("milk ", 10).terms == 1 and lex.search("!!!", 10).terms == 0
+    two = lex.search("chocolate mi", 10)
+    assert two.terms == 2 and len(two.complete) == 1 < len(two.rows)  # "Chocolate Milk" alone has both
     _, ranking = idx.query(["choc"], None, 2, mode=SearchMode.LEXICAL)
     assert len(ranking.lists[0].rows) == 2 and ranking.lists[0].legs == [("lexical",), ("lexical",)]
     assert ranking.lists[0].scores[0] >= ranking.lists[0].scores[1] > 0 and ranking.lexical_ns > 0
