@@ -94,6 +94,33 @@ def test_tuning_beats_its_base_on_held_out_products(models: Path, catalog: Path)
     assert load_manifest(models / "tuned-twice").lineage["base"] == m.version_id and again.steps == 5
 
 
+def test_hard_negatives_are_same_aisle_products_without_the_attribute(catalog: Path) -> None:
+    from catalog.sources import read_path
+    from catalog.tuning.catalog_pairs import Pair, add_negatives, attributes
+
+    products = read_path(catalog).products
+    by_title = {p.fields["title"]: p for p in products}
+    dairy = next(p for p in products if "dairy free" in p.fields["title"])
+    pairs = [Pair(f"dairy free {dairy.fields['title'].split()[-1]}", dairy.fields["title"], "attribute", dairy.id),
+             Pair(dairy.fields["aisle"], dairy.fields["title"], "taxonomy", dairy.id)] * 20
+    out = add_negatives(pairs, products, ("title",), seed=1)
+    for pair in out:
+        neg = by_title[pair.negative]
+        assert pair.negative != pair.positive
+        if pair.kind == "attribute":  # the same shelf, but not dairy free: what the shopper ruled out
+            assert neg.fields["aisle"] == dairy.fields["aisle"] and "dairy free" not in attributes(pair.negative)
+        else:  # the same aisle could be a right answer: another aisle's product
+            assert neg.fields["aisle"] != dairy.fields["aisle"]
+    assert {p.kind for p in out} == {"attribute", "taxonomy"}
+
+
+def test_tuning_with_hard_negatives_trains_on_triplets(models: Path, catalog: Path) -> None:
+    r = _tune(models, catalog, "triplets", recipe=dataclasses.replace(RECIPE, hard_negatives=True), steps=20,
+              force=True)
+    assert r.steps == 20 and r.tuned["aisle"]["100"]["ndcg_at_10"] > r.base["aisle"]["100"]["ndcg_at_10"]
+    assert load_manifest(models / "triplets").lineage["recipe"]["hard_negatives"] is True
+
+
 def test_gate_refuses_a_worse_model_and_leaves_nothing_behind(models: Path, catalog: Path) -> None:
     bad = dataclasses.replace(RECIPE, learning_rate=0.5)  # wrecks the weights
     with pytest.raises(GateRefused, match="worse than shop on the held-out split") as err:

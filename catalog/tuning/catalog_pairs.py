@@ -8,12 +8,18 @@ Kinds, each weighted by the recipe (catalog/tuning/recipe.py):
 - brand:     the brand field (where the rows have one) + the head
 - prefix:    any of the above cut mid-word at 25-75 % of its characters -> the same product: typeahead
 - title:     a title cut at 30-70 % of its characters -> the product (known-item typeahead)
+With negatives (recipe.hard_negatives), each pair also names a product that must rank below its own:
+for attribute pairs one of the same aisle without the attribute ("dairy free ice cream sandwich":
+a dairy ice cream sandwich), for title cuts one of the same aisle whose title does not start with the
+cut; every other kind gets one from another aisle, as the same aisle could be a right answer too (a
+false negative teaches the model to push relevant products away).
 The anchor repeats across products (many share an aisle): catalog/tuning/trainer.dataset keeps equal
 texts out of one batch, where they would be false negatives for an in-batch loss.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import re
@@ -43,7 +49,8 @@ class Pair:
     anchor: str  # what a shopper types
     positive: str  # the product's document text, as the catalog job embeds it
     kind: str
-    product: str  # product id: the held-out split and hard-negative mining need it
+    product: str  # product id: the held-out split and the negatives need it
+    negative: str = ""  # a product text that must rank below the positive (add_negatives)
 
 
 def taxonomy_fields(products: Sequence[Product]) -> list[str]:
@@ -123,3 +130,48 @@ def catalog_pairs(products: Sequence[Product], text_fields: Sequence[str], mix: 
                 pairs.append(Pair(cut, doc, "title", p.id))
     rng.shuffle(pairs)
     return pairs
+
+
+def add_negatives(pairs: Sequence[Pair], products: Sequence[Product], text_fields: Sequence[str], *,
+                  seed: int) -> list[Pair]:
+    """Each pair with a negative product text (see the module's docstring); deterministic by seed."""
+    rng = random.Random(seed)
+    taxonomy = taxonomy_fields(products)
+    by_id = {p.id: p for p in products}
+    shelves: dict[str, list[Product]] = {}
+    for p in products:
+        shelves.setdefault(aisle_of(p, taxonomy), []).append(p)
+    everyone = list(products)
+
+    out = []
+    for pair in pairs:
+        own = by_id.get(pair.product)
+        aisle = aisle_of(own, taxonomy) if own is not None else ""
+        shelf = shelves.get(aisle, everyone)
+        neg: Product | None = None
+        for _ in range(8 if aisle and pair.kind in ("attribute", "title") else 0):
+            q = rng.choice(shelf)
+            title = q.fields.get("title", "")
+            if q.id == pair.product:
+                continue
+            if pair.kind == "attribute" and not set(attributes(pair.anchor)) <= set(attributes(title)):
+                neg = q
+                break
+            if pair.kind == "title" and not title.casefold().startswith(pair.anchor.casefold()):
+                neg = q
+                break
+        for _ in range(8 if neg is None else 0):  # another aisle's product: never a right answer in disguise
+            q = rng.choice(everyone)
+            if aisle_of(q, taxonomy) != aisle:
+                neg = q
+                break
+        text = compose_text(neg.fields, text_fields) if neg is not None else ""
+        if text and text != pair.positive:
+            out.append(dataclasses.replace(pair, negative=text))
+    return out
+
+
+def aisle_of(p: Product, taxonomy: Sequence[str]) -> str:
+    """The narrowest category value ("" where the product has none)."""
+    values = [v.strip().lower() for f in taxonomy if (v := p.fields.get(f, "")).strip().lower() not in PLACEHOLDERS]
+    return values[-1] if values else ""

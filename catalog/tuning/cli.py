@@ -77,6 +77,9 @@ def register(msub: Any) -> None:
                    help="mnrl: MultipleNegativesRankingLoss; cached: its cached form (big batches in little memory)")
     r.add_argument("--matryoshka", type=_dims, default=(), metavar="D,D,...",
                    help="also train truncated dimensions (MatryoshkaLoss), for a smaller index")
+    r.add_argument("--hard-negatives", action=argparse.BooleanOptionalAction, default=_DEFAULT.hard_negatives,
+                   help="a negative product per pair: the same aisle without the attribute / another title for "
+                        "attribute and title pairs, another aisle otherwise")
     r.add_argument("--freeze-layers", type=int, default=0, metavar="N", help="keep the lower N layers as they are")
     r.add_argument("--held-share", type=float, default=_DEFAULT.held_share,
                    help=f"share of products and logged queries held out (default {_DEFAULT.held_share:g})")
@@ -92,7 +95,8 @@ def _tune(args: argparse.Namespace) -> int:
     settings = Settings.load(overrides=flag_overrides(args))
     recipe = Recipe(mix=parse_mix(args.mix), learning_rate=args.learning_rate, batch_size=args.batch_size,
                     max_seq_length=args.max_seq_length, loss=args.loss, matryoshka=args.matryoshka,
-                    freeze_layers=args.freeze_layers, held_share=args.held_share, tolerance=args.tolerance)
+                    hard_negatives=args.hard_negatives, freeze_layers=args.freeze_layers,
+                    held_share=args.held_share, tolerance=args.tolerance)
     req = Request(base=settings.model.name, catalog=args.catalog, name=args.tuned_name, recipe=recipe,
                   pairs=args.pairs, minutes=args.minutes, steps=args.steps, seed=args.seed, force=args.force,
                   rollout=args.rollout, id_field=args.id_field, progress=not args.no_progress)

@@ -6,9 +6,12 @@ held-out products (plus the products of held-out logged queries), at 25/50/75/10
 characters as a typeahead sends them (catalog/prefix_quality.cut):
 - aisle:      the narrowest category value -> the held-out products in it (products never trained on)
 - attribute:  "dairy free" + aisle -> held-out products with both (where titles carry attributes)
+- noun:       a product noun shoppers type ("frozen dessert sandwiches": a title's last words) -> the
+              held-out products of the aisles that noun lives in (aisle precision, as shopper queries
+              labelled by aisle are scored)
 - known-item: a fragment of a held-out title -> that product
 - logged:     a held-out logged query -> the products it led to (with --pairs)
-Metrics: nDCG@10 and recall@10 (catalog/quality.score). `gate` refuses a tuned model that is worse
+Metrics: nDCG@10, recall@10 and precision@10 (catalog/quality.score). `gate` refuses a tuned model that is worse
 than its base on any set, cut and metric by more than the tolerance.
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,11 +33,13 @@ from catalog.index import exact_topk
 from catalog.prefix_quality import CUTS, cut
 from catalog.quality import K, QuerySet, score
 from catalog.sources import Product, compose_text
-from catalog.tuning.catalog_pairs import PLACEHOLDERS, attributes, taxonomy_fields
+from catalog.tuning.catalog_pairs import PLACEHOLDERS, aisle_of, attributes, head_words, taxonomy_fields
 from catalog.tuning.query_log import LoggedPair
 
 Encode = Callable[[list[str], str], npt.NDArray[np.float32]]  # (texts, "query" | "document") -> unit rows
-GATED = (("ndcg_at_10", "nDCG@10"), ("recall_at_10", "recall@10"))
+GATED = (("ndcg_at_10", "nDCG@10"), ("recall_at_10", "recall@10"), ("precision_at_10", "P@10"))
+NOUN_MIN_PRODUCTS = 5  # a noun shared by fewer products is a title, not something shoppers type
+NOUN_AISLE_SHARE = 0.1  # the aisles holding at least this share of a noun's products are its aisles
 
 
 def _unit(seed: int, key: str) -> float:
@@ -71,6 +76,7 @@ class HeldOut:
 
 def held_out(s: Split, products_by_id: dict[str, Product], text_fields: Sequence[str], *, seed: int,
              max_queries: int = 500) -> HeldOut:
+    """The corpus and the query sets (see the module's docstring)."""
     rng = random.Random(seed)
     corpus = list(s.held)
     seen = {p.id for p in corpus}
@@ -96,6 +102,8 @@ def held_out(s: Split, products_by_id: dict[str, Product], text_fields: Sequence
             keys = sorted(rng.sample(keys, max_queries))
         if keys:
             sets.append(QuerySet(name, keys, [groups[k] for k in keys]))
+    if taxonomy and (nouns := _noun_queries(s, taxonomy, max_queries, rng)):
+        sets.append(nouns)
     by_title: dict[str, set[int]] = defaultdict(set)
     for i, p in enumerate(s.held):
         by_title[p.fields.get("title", "")].add(i)
@@ -113,10 +121,35 @@ def held_out(s: Split, products_by_id: dict[str, Product], text_fields: Sequence
         if lp.product_id in row:
             logged[lp.query].add(row[lp.product_id])
     if logged:
-        keys = sorted(logged)[:max_queries] if len(logged) <= max_queries else sorted(rng.sample(sorted(logged),
-                                                                                            max_queries))
+        keys = sorted(logged)
+        if len(keys) > max_queries:
+            keys = sorted(rng.sample(keys, max_queries))
         sets.append(QuerySet("logged", keys, [logged[k] for k in keys]))
     return HeldOut(docs, sets)
+
+
+def _noun_queries(s: Split, taxonomy: Sequence[str], max_queries: int, rng: random.Random) -> QuerySet | None:
+    aisles_of: dict[str, Counter[str]] = defaultdict(Counter)
+    for p in (*s.train, *s.held):
+        if (noun := head_words(p.fields.get("title", ""), 2)) and (aisle := aisle_of(p, taxonomy)):
+            aisles_of[noun][aisle] += 1
+    held_in: dict[str, set[int]] = defaultdict(set)
+    for i, p in enumerate(s.held):
+        held_in[aisle_of(p, taxonomy)].add(i)
+    queries, relevant = [], []
+    for noun in sorted(aisles_of):
+        counts = aisles_of[noun]
+        total = sum(counts.values())
+        if total < NOUN_MIN_PRODUCTS:
+            continue
+        rows = set().union(*(held_in[a] for a, n in counts.items() if n >= NOUN_AISLE_SHARE * total))
+        if rows:
+            queries.append(noun)
+            relevant.append(rows)
+    if len(queries) > max_queries:
+        pick = sorted(rng.sample(range(len(queries)), max_queries))
+        queries, relevant = [queries[i] for i in pick], [relevant[i] for i in pick]
+    return QuerySet("noun", queries, relevant) if queries else None
 
 
 def evaluate(encode: Encode, held: HeldOut, cuts: Sequence[int] = CUTS) -> dict[str, dict[str, dict[str, float]]]:

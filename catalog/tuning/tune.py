@@ -36,7 +36,7 @@ from catalog.product_table import read_products
 from catalog.settings import Settings
 from catalog.sources import Product, read_path
 from catalog.tuning import heldout
-from catalog.tuning.catalog_pairs import Pair, catalog_pairs
+from catalog.tuning.catalog_pairs import Pair, add_negatives, catalog_pairs
 from catalog.tuning.query_log import LoggedPair, read_query_log
 from catalog.tuning.recipe import Recipe
 from inference.errors import InvalidInput, ModelError
@@ -111,6 +111,8 @@ def tune(settings: Settings, req: Request, *, say: Say = print) -> Result:
     held = heldout.held_out(split, by_id, text_fields, seed=req.seed)
     pairs = catalog_pairs(split.train, text_fields, recipe.mix, seed=req.seed)
     pairs += logged_pairs(split.train_logged, by_id, text_fields, recipe.mix.get("logged", 0.0), seed=req.seed)
+    if recipe.hard_negatives:
+        pairs = add_negatives(pairs, split.train, text_fields, seed=req.seed)
     if not pairs:
         raise InvalidInput(f"no training pairs could be made from {req.catalog} (titles and categories are empty)")
     kinds = Counter(p.kind for p in pairs)
@@ -137,6 +139,8 @@ def tune(settings: Settings, req: Request, *, say: Say = print) -> Result:
         base_figures = heldout.evaluate(encoder(model), held)
         _write_json(work / BASE_FIGURES, base_figures)
     columns = {"anchor": [p.anchor for p in pairs], "positive": [p.positive for p in pairs]}
+    if recipe.hard_negatives:
+        columns["negative"] = [p.negative for p in pairs]
     loss = trainer.make_loss(model, recipe)
     model.max_seq_length = recipe.max_seq_length
     if "max_steps" not in run:
@@ -145,7 +149,8 @@ def tune(settings: Settings, req: Request, *, say: Say = print) -> Result:
         else:
             probe = trainer.dataset(columns, batch_size=recipe.batch_size, steps=1, seed=req.seed)
             per_step = trainer.step_seconds(model, loss, probe, recipe)
-            run["max_steps"] = max(1, int(req.minutes * 60 * 0.9 / per_step)) if req.minutes else 1
+            # 0.8: the probe leaves out the optimizer step and the checkpoints (~10-15 % more here)
+            run["max_steps"] = max(1, int(req.minutes * 60 * 0.8 / per_step)) if req.minutes else 1
             say(f"one step takes {per_step:.2f} s here: {run['max_steps']} steps fit {req.minutes:g} minutes")
         _write_json(work / RUN_FILE, run)
     max_steps = int(run["max_steps"])
