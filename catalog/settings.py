@@ -75,7 +75,8 @@ class CatalogSettings:
         0.5, "Hybrid Search: lexical leg weight when ordering the products ranked first for a one-word query "
         "(every lexical hit then matches every typed word; below 1, the semantic rank orders them). 8 (as "
         "fusion_complete_weight) scored below semantic on aisle names at 25 / 50 % with complete_last_word; "
-        "0.5 above both legs at every cut (docs/benchmarks.md, issue 45).", min=0)
+        "0.5 at least the better leg at every cut (all-MiniLM-L6-v2; not yet with a model tuned on the aisle names: "
+        "docs/benchmarks.md, issue 45).", min=0)
     complete_last_word: bool = setting(
         True, "Search (semantic and hybrid): embed the query with its half-typed last word completed to the "
         "index version's most frequent word starting with it ('ice cr' -> 'ice cream'; catalog/completion.py); "
