@@ -309,7 +309,7 @@ def _libraries() -> dict[str, str]:
 
 
 def next_steps(settings: Settings, req: Request) -> str:
-    source = req.catalog if not Path(req.catalog).is_dir() else "<your catalog file or `grocery`>"
+    source = build_source(req.catalog)
     root = settings.catalog.index_root
     build = f"  embedcar catalog build {source} --model {req.name} --index-root {root}"
     if req.name == req.base:
@@ -318,6 +318,18 @@ def next_steps(settings: Settings, req: Request) -> str:
                 f"the base:\n{build}")
     return (f"next: build its index, then serve it or compare it with {req.base} in the demo:\n{build}\n"
             f"  embedcar sidecar serve --model {req.name}\n  embedcar demo --compare {req.name}")
+
+
+def build_source(catalog: str) -> str:
+    """What `catalog build` reads for the tuned model's index: the file or `grocery` as given, or the
+    products table of the index version the pairs came from."""
+    path = Path(catalog)
+    if not path.is_dir():
+        return catalog
+    version = path if (path / store.PRODUCTS_FILE).is_file() else store.newest_version(path)
+    if version is None:
+        raise InvalidInput(f"{catalog} holds no index version to rebuild from")
+    return str(version / store.PRODUCTS_FILE)
 
 
 def rollout(settings: Settings, req: Request, *, say: Say) -> Path:
@@ -331,13 +343,7 @@ def rollout(settings: Settings, req: Request, *, say: Say) -> Path:
     assert req.rollout is not None
     s = dataclasses.replace(settings, model=dataclasses.replace(settings.model, name=req.name),
                             catalog=dataclasses.replace(settings.catalog, index_root=req.rollout))
-    source = req.catalog
-    if Path(source).is_dir():
-        version = store.newest_version(Path(source)) if not (Path(source) / store.PRODUCTS_FILE).is_file() \
-            else Path(source)
-        assert version is not None  # load_catalog found it
-        source = str(version / store.PRODUCTS_FILE)
-    spec = BuildSpec(source=source, id_field=req.id_field, text_fields=s.catalog.text_fields)
+    spec = BuildSpec(source=build_source(req.catalog), id_field=req.id_field, text_fields=s.catalog.text_fields)
     summary = asyncio.run(build(s, spec, progress=req.progress))
     if summary.version_dir is None:
         raise ModelError(f"the index build for {req.name} published no version")
