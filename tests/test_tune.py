@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from catalog.settings import Settings as CatalogSettings
-from catalog.tuning.recipe import Recipe
+from catalog.tuning.recipe import Recipe, parse_mix
 from catalog.tuning.tune import GateRefused, Request, Result, tune
 from demo_ui.settings import Settings
 from inference.errors import InvalidInput
@@ -30,7 +30,10 @@ from tests.fixtures_tuning import catalog_words, synthetic_catalog
 from tests.test_rollout import Load, _assert_never_mixed, _candidate_warm, _wait
 
 BASE = "shop"
-RECIPE = Recipe(learning_rate=1e-3, batch_size=16, held_share=0.2)  # a tiny model learns fast or not at all
+# A tiny model learns fast or not at all; 12 aisle queries cut to 25 % (two or three characters) move by a
+# few hundredths between equally good models: the gate's tolerance is widened to that noise here (the
+# refusal test below wrecks a model far beyond it).
+RECIPE = Recipe(mix=parse_mix("title=2"), learning_rate=1e-3, batch_size=16, held_share=0.2, tolerance=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +82,7 @@ def test_tuning_beats_its_base_on_held_out_products(models: Path, catalog: Path)
     # aisle names never appear in titles: only training can link them to the products' nouns
     assert tuned["100"]["ndcg_at_10"] >= base["100"]["ndcg_at_10"] + 0.1, (base, tuned)
     assert tuned["50"]["ndcg_at_10"] > base["50"]["ndcg_at_10"], (base, tuned)
-    assert {s for s in r.tuned} == {"aisle", "attribute", "known-item"}
+    assert {s for s in r.tuned} == {"aisle", "attribute", "noun", "known-item"}
     assert set(r.tuned["known-item"]) == {"25", "50", "75", "100"}
     m = load_manifest(models / "tuned")
     assert m.lineage["base"] == load_manifest(models / BASE).version_id
@@ -221,8 +224,8 @@ def test_tuned_in_place_rolls_out_with_its_index_under_load(models: Path, catalo
     with SidecarThread(s) as sc, Load(sc.grpc_target) as load:
         load.wait_for_model(v1_id)
         tuned = _cli("model", "tune", *common, "--catalog", str(catalog), "--as", BASE, "--steps", "40",
-                     "--batch-size", "16", "--learning-rate", "1e-3", "--held-share", "0.2", "--no-progress",
-                     "--rollout", str(index_root))
+                     "--batch-size", "16", "--learning-rate", "1e-3", "--held-share", "0.2", "--mix", "title=2",
+                     "--tolerance", "0.05", "--no-progress", "--rollout", str(index_root))
         assert tuned.returncode == 0, tuned.stderr[-2000:]
         v2 = load_manifest(models / BASE)
         v2_id = v2.variant_id(v2.default_variant)

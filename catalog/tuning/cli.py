@@ -83,6 +83,8 @@ def register(msub: Any) -> None:
     r.add_argument("--freeze-layers", type=int, default=0, metavar="N", help="keep the lower N layers as they are")
     r.add_argument("--held-share", type=float, default=_DEFAULT.held_share,
                    help=f"share of products and logged queries held out (default {_DEFAULT.held_share:g})")
+    r.add_argument("--distractors", type=int, default=_DEFAULT.distractors,
+                   help=f"trained-on products held-out known items are searched among (default {_DEFAULT.distractors})")
     r.add_argument("--tolerance", type=float, default=_DEFAULT.tolerance,
                    help=f"how much worse than the base a held-out figure may be (default {_DEFAULT.tolerance:g})")
     p.set_defaults(func=_tune)
@@ -96,7 +98,7 @@ def _tune(args: argparse.Namespace) -> int:
     recipe = Recipe(mix=parse_mix(args.mix), learning_rate=args.learning_rate, batch_size=args.batch_size,
                     max_seq_length=args.max_seq_length, loss=args.loss, matryoshka=args.matryoshka,
                     hard_negatives=args.hard_negatives, freeze_layers=args.freeze_layers,
-                    held_share=args.held_share, tolerance=args.tolerance)
+                    held_share=args.held_share, distractors=args.distractors, tolerance=args.tolerance)
     req = Request(base=settings.model.name, catalog=args.catalog, name=args.tuned_name, recipe=recipe,
                   pairs=args.pairs, minutes=args.minutes, steps=args.steps, seed=args.seed, force=args.force,
                   rollout=args.rollout, id_field=args.id_field, progress=not args.no_progress)

@@ -9,7 +9,9 @@ characters as a typeahead sends them (catalog/prefix_quality.cut):
 - noun:       a product noun shoppers type ("frozen dessert sandwiches": a title's last words) -> the
               held-out products of the aisles that noun lives in (aisle precision, as shopper queries
               labelled by aisle are scored)
-- known-item: a fragment of a held-out title -> that product
+- known-item: a fragment of a held-out title -> that product, searched among the held-out products
+              and up to `distractors` trained-on ones (a catalog-sized haystack: tuning that blurs
+              products of one aisle together shows here, as it does in a full index)
 - logged:     a held-out logged query -> the products it led to (with --pairs)
 Metrics: nDCG@10, recall@10 and precision@10 (catalog/quality.score). `gate` refuses a tuned model that is worse
 than its base on any set, cut and metric by more than the tolerance.
@@ -37,6 +39,7 @@ from catalog.tuning.catalog_pairs import PLACEHOLDERS, aisle_of, attributes, hea
 from catalog.tuning.query_log import LoggedPair
 
 Encode = Callable[[list[str], str], npt.NDArray[np.float32]]  # (texts, "query" | "document") -> unit rows
+WIDE = ("known-item",)  # sets searched among the distractors too (their relevance is exact: one product)
 GATED = (("ndcg_at_10", "nDCG@10"), ("recall_at_10", "recall@10"), ("precision_at_10", "P@10"))
 NOUN_MIN_PRODUCTS = 5  # a noun shared by fewer products is a title, not something shoppers type
 NOUN_AISLE_SHARE = 0.1  # the aisles holding at least this share of a noun's products are its aisles
@@ -72,10 +75,11 @@ def split(products: Sequence[Product], logged: Sequence[LoggedPair], *, share: f
 class HeldOut:
     documents: list[str]  # the corpus, as the catalog job embeds it
     sets: list[QuerySet]  # relevant rows index `documents`
+    distractors: list[str] = dataclasses.field(default_factory=list)  # trained-on products, for WIDE sets
 
 
 def held_out(s: Split, products_by_id: dict[str, Product], text_fields: Sequence[str], *, seed: int,
-             max_queries: int = 500) -> HeldOut:
+             max_queries: int = 500, distractors: int = 0) -> HeldOut:
     """The corpus and the query sets (see the module's docstring)."""
     rng = random.Random(seed)
     corpus = list(s.held)
@@ -125,7 +129,8 @@ def held_out(s: Split, products_by_id: dict[str, Product], text_fields: Sequence
         if len(keys) > max_queries:
             keys = sorted(rng.sample(keys, max_queries))
         sets.append(QuerySet("logged", keys, [logged[k] for k in keys]))
-    return HeldOut(docs, sets)
+    extra = rng.sample(s.train, min(distractors, len(s.train)))
+    return HeldOut(docs, sets, [compose_text(p.fields, text_fields) for p in extra])
 
 
 def _noun_queries(s: Split, taxonomy: Sequence[str], max_queries: int, rng: random.Random) -> QuerySet | None:
@@ -154,10 +159,12 @@ def _noun_queries(s: Split, taxonomy: Sequence[str], max_queries: int, rng: rand
 
 def evaluate(encode: Encode, held: HeldOut, cuts: Sequence[int] = CUTS) -> dict[str, dict[str, dict[str, float]]]:
     """{set: {cut: {metric: value, "queries": n}}} for one model."""
-    doc_vecs = encode(held.documents, "document")
+    wide = encode(held.documents + held.distractors, "document")
+    narrow = wide[: len(held.documents)]
     out: dict[str, dict[str, dict[str, float]]] = {}
     for qs in held.sets:
         out[qs.name] = {}
+        doc_vecs = wide if qs.name in WIDE else narrow
         for pct in cuts:
             q_vecs = encode([cut(q, pct) for q in qs.queries], "query")
             out[qs.name][str(pct)] = dataclasses.asdict(score(exact_topk(doc_vecs, q_vecs, K), qs.relevant))

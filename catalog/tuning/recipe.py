@@ -36,6 +36,7 @@ class Recipe:
     warmup_ratio: float = 0.1
     held_share: float = 0.1
     max_held: int = 5000
+    distractors: int = 10_000  # trained-on products the held-out known items are searched among
     tolerance: float = 0.005  # how much worse than the base a (set, cut, metric) may get
 
     def __post_init__(self) -> None:
@@ -54,8 +55,8 @@ class Recipe:
             problems.append(f"loss {self.loss!r} is not one of {', '.join(LOSSES)}")
         if not 0 < self.held_share < 0.5:
             problems.append(f"held-out share {self.held_share} is not in (0, 0.5)")
-        if self.freeze_layers < 0 or self.tolerance < 0:
-            problems.append("frozen layers and tolerance are >= 0")
+        if self.freeze_layers < 0 or self.tolerance < 0 or self.distractors < 0:
+            problems.append("frozen layers, tolerance and distractors are >= 0")
         if problems:
             raise InvalidInput("recipe: " + "; ".join(problems))
 

@@ -108,7 +108,7 @@ def tune(settings: Settings, req: Request, *, say: Say = print) -> Result:
         logged = log_file.pairs
     recipe = req.recipe
     split = heldout.split(products, logged, share=recipe.held_share, max_held=recipe.max_held, seed=req.seed)
-    held = heldout.held_out(split, by_id, text_fields, seed=req.seed)
+    held = heldout.held_out(split, by_id, text_fields, seed=req.seed, distractors=recipe.distractors)
     pairs = catalog_pairs(split.train, text_fields, recipe.mix, seed=req.seed)
     pairs += logged_pairs(split.train_logged, by_id, text_fields, recipe.mix.get("logged", 0.0), seed=req.seed)
     if recipe.hard_negatives:
