@@ -48,6 +48,13 @@ def _index_model(index_root: Path, version: str) -> str:
     return str(json.loads((index_root / version / "manifest.json").read_text())["model_id"])
 
 
+def rolling_settings(settings: Settings, models: Path, index_root: Path, name: str) -> Settings:
+    """A sidecar serving model `name`'s default variant from `models`, looking for new model and index
+    versions every 0.2 s: a rollout's switch shows within a second."""
+    s = sidecar_settings(settings, index_dir=index_root, index_poll_s=0.2, model_poll_s=0.2, grace_s=0.5)
+    return dataclasses.replace(s, model=dataclasses.replace(s.model, models_dir=models, name=name, variant=""))
+
+
 class Load:
     """Search calls back to back from a thread until stopped; every reply and error recorded."""
 
@@ -100,9 +107,7 @@ def test_rollout_and_rollback_under_load_never_mix_model_and_index(settings: Set
     _cli(*build)
     v1 = load_manifest(models / NAME)
     v1_id = v1.variant_id(v1.default_variant)
-    s = sidecar_settings(settings, index_dir=index_root, index_poll_s=0.2, model_poll_s=0.2, grace_s=0.5)
-    s = dataclasses.replace(s, model=dataclasses.replace(s.model, models_dir=models, name=NAME, variant=""))
-    with SidecarThread(s) as sc, Load(sc.grpc_target) as load:
+    with SidecarThread(rolling_settings(settings, models, index_root, NAME)) as sc, Load(sc.grpc_target) as load:
         load.wait_for_model(v1_id)
         # Week 2: a retrained model (other weights) is prepared; the sidecar warms it, but its
         # index does not exist yet: replies stay on v1 with v1's index meanwhile.

@@ -25,9 +25,8 @@ from inference.manifest import load_manifest
 from sidecar.app import SidecarThread
 from tests.conftest import ROOT
 from tests.fixtures_models import tiny_st_folder
-from tests.fixtures_sidecar import sidecar_settings
 from tests.fixtures_tuning import catalog_words, synthetic_catalog
-from tests.test_rollout import Load, _assert_never_mixed, _candidate_warm, _wait
+from tests.test_rollout import Load, _assert_never_mixed, _candidate_warm, _wait, rolling_settings
 
 BASE = "shop"
 # A tiny model learns fast or not at all; 12 aisle queries cut to 25 % (two or three characters) move by a
@@ -219,9 +218,7 @@ def test_tuned_in_place_rolls_out_with_its_index_under_load(models: Path, catalo
     assert built.returncode == 0, built.stderr[-2000:]
     v1 = load_manifest(models / BASE)
     v1_id = v1.variant_id(v1.default_variant)
-    s = sidecar_settings(settings, index_dir=index_root, index_poll_s=0.2, model_poll_s=0.2, grace_s=0.5)
-    s = dataclasses.replace(s, model=dataclasses.replace(s.model, models_dir=models, name=BASE, variant=""))
-    with SidecarThread(s) as sc, Load(sc.grpc_target) as load:
+    with SidecarThread(rolling_settings(settings, models, index_root, BASE)) as sc, Load(sc.grpc_target) as load:
         load.wait_for_model(v1_id)
         tuned = _cli("model", "tune", *common, "--catalog", str(catalog), "--as", BASE, "--steps", "40",
                      "--batch-size", "16", "--learning-rate", "1e-3", "--held-share", "0.2", "--mix", "title=2",

@@ -78,9 +78,20 @@ def cut_mid_word(text: str, rng: random.Random, low: float, high: float) -> str 
     return out if 2 <= len(out) < len(text.strip()) else None
 
 
+def categories(p: Product, taxonomy: Sequence[str]) -> list[str]:
+    """The product's category values, broadest first, lowercased, placeholders left out."""
+    return [v.strip().lower() for f in taxonomy if (v := p.fields.get(f, "")).strip().lower() not in PLACEHOLDERS]
+
+
+def aisle_of(p: Product, taxonomy: Sequence[str]) -> str:
+    """The narrowest category value ("" where the product has none)."""
+    values = categories(p, taxonomy)
+    return values[-1] if values else ""
+
+
 def _anchors(p: Product, taxonomy: Sequence[str], rng: random.Random) -> dict[str, list[str]]:
     title = p.fields.get("title", "")
-    values = [v.strip().lower() for f in taxonomy if (v := p.fields.get(f, "")).strip().lower() not in PLACEHOLDERS]
+    values = categories(p, taxonomy)
     out: dict[str, list[str]] = {"taxonomy": [], "head": [], "attribute": [], "brand": []}
     if values:
         out["taxonomy"].append(values[-1])  # the narrowest: the aisle
@@ -100,7 +111,7 @@ def _anchors(p: Product, taxonomy: Sequence[str], rng: random.Random) -> dict[st
     return out
 
 
-def _draw(weight: float, rng: random.Random) -> int:
+def draw(weight: float, rng: random.Random) -> int:
     """How many pairs of a kind with this weight: floor(weight), plus one with its fraction's chance."""
     whole = int(weight)
     return whole + (1 if rng.random() < weight - whole else 0)
@@ -118,14 +129,14 @@ def catalog_pairs(products: Sequence[Product], text_fields: Sequence[str], mix: 
             continue
         anchors = _anchors(p, taxonomy, rng)
         for kind, options in anchors.items():
-            for _ in range(_draw(mix.get(kind, 0.0), rng) if options else 0):
+            for _ in range(draw(mix.get(kind, 0.0), rng) if options else 0):
                 pairs.append(Pair(rng.choice(options), doc, kind, p.id))
         typed = [a for options in anchors.values() for a in options]
-        for _ in range(_draw(mix.get("prefix", 0.0), rng) if typed else 0):
+        for _ in range(draw(mix.get("prefix", 0.0), rng) if typed else 0):
             if (cut := cut_mid_word(rng.choice(typed), rng, 0.25, 0.75)) is not None:
                 pairs.append(Pair(cut, doc, "prefix", p.id))
         title = p.fields.get("title", "")
-        for _ in range(_draw(mix.get("title", 0.0), rng) if title else 0):
+        for _ in range(draw(mix.get("title", 0.0), rng) if title else 0):
             if (cut := cut_mid_word(title, rng, 0.3, 0.7)) is not None:
                 pairs.append(Pair(cut, doc, "title", p.id))
     rng.shuffle(pairs)
@@ -169,9 +180,3 @@ def add_negatives(pairs: Sequence[Pair], products: Sequence[Product], text_field
         if text and text != pair.positive:
             out.append(dataclasses.replace(pair, negative=text))
     return out
-
-
-def aisle_of(p: Product, taxonomy: Sequence[str]) -> str:
-    """The narrowest category value ("" where the product has none)."""
-    values = [v.strip().lower() for f in taxonomy if (v := p.fields.get(f, "")).strip().lower() not in PLACEHOLDERS]
-    return values[-1] if values else ""

@@ -35,7 +35,7 @@ from catalog.index import exact_topk
 from catalog.prefix_quality import CUTS, cut
 from catalog.quality import K, QuerySet, score
 from catalog.sources import Product, compose_text
-from catalog.tuning.catalog_pairs import PLACEHOLDERS, aisle_of, attributes, head_words, taxonomy_fields
+from catalog.tuning.catalog_pairs import aisle_of, attributes, head_words, taxonomy_fields
 from catalog.tuning.query_log import LoggedPair
 
 Encode = Callable[[list[str], str], npt.NDArray[np.float32]]  # (texts, "query" | "document") -> unit rows
@@ -95,11 +95,10 @@ def held_out(s: Split, products_by_id: dict[str, Product], text_fields: Sequence
     by_aisle: dict[str, set[int]] = defaultdict(set)
     by_attr: dict[str, set[int]] = defaultdict(set)
     for i, p in enumerate(s.held):
-        values = [v.strip().lower() for f in taxonomy if (v := p.fields.get(f, "")).strip().lower() not in PLACEHOLDERS]
-        if values:
-            by_aisle[values[-1]].add(i)
+        if aisle := aisle_of(p, taxonomy):
+            by_aisle[aisle].add(i)
             for a in attributes(p.fields.get("title", "")):
-                by_attr[f"{a} {values[-1]}"].add(i)
+                by_attr[f"{a} {aisle}"].add(i)
     for name, groups in (("aisle", by_aisle), ("attribute", by_attr)):
         keys = sorted(groups)
         if len(keys) > max_queries:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sentence_transformers.sampler import DefaultBatchSampler
+from transformers import TrainerCallback
 
 from catalog.tuning.recipe import Recipe
 from inference.errors import InvalidInput, ModelError
@@ -145,11 +146,15 @@ class InOrder(DefaultBatchSampler):
         return len(self.sampler) // int(self.batch_size)  # type: ignore[arg-type]
 
 
-def prompts_for(model: Any, columns: Sequence[str]) -> dict[str, str] | None:
-    """The model's query prompt on the anchors, its document prompt on products: trained as served."""
+def role_prompts(model: Any) -> tuple[str, str]:
+    """The model's (query, document) prompts, "" where it has none: trained and scored as served."""
     p = getattr(model, "prompts", {}) or {}
-    query = p.get("query", "")
-    doc = p.get("document", p.get("passage", ""))
+    return p.get("query", ""), p.get("document", p.get("passage", ""))
+
+
+def prompts_for(model: Any, columns: Sequence[str]) -> dict[str, str] | None:
+    """The query prompt on the anchors, the document prompt on products."""
+    query, doc = role_prompts(model)
     if not query and not doc:
         return None
     return {c: (query if c == "anchor" else doc) for c in columns}
@@ -226,13 +231,7 @@ def _elapsed(checkpoint: Path | None) -> float:
     return float(json.loads((checkpoint / ELAPSED_FILE).read_text())["seconds"])
 
 
-def _callback_base() -> Any:
-    from transformers import TrainerCallback
-
-    return TrainerCallback
-
-
-class _Progress(_callback_base()):  # type: ignore[misc]
+class _Progress(TrainerCallback):
     """A tqdm bar (steps, loss, ETA), the time budget, and the training time kept with each checkpoint."""
 
     def __init__(self, total: int, budget_s: float | None, before: float, show: bool) -> None:

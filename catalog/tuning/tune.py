@@ -34,13 +34,13 @@ from typing import Any
 from catalog import store
 from catalog.product_table import read_products
 from catalog.settings import Settings
-from catalog.sources import Product, read_path
+from catalog.sources import Product, compose_text, read_path
 from catalog.tuning import heldout
-from catalog.tuning.catalog_pairs import Pair, add_negatives, catalog_pairs
+from catalog.tuning.catalog_pairs import Pair, add_negatives, catalog_pairs, draw
 from catalog.tuning.query_log import LoggedPair, read_query_log
 from catalog.tuning.recipe import Recipe
 from inference.errors import InvalidInput, ModelError
-from inference.files import sha256_file
+from inference.files import atomic_write_text, sha256_file
 from inference.manifest import Manifest, load_manifest
 from inference.model_source import SOURCES, fetch_model
 from inference.prepare import prepare_model, weights_folder
@@ -201,12 +201,8 @@ def load_catalog(source: str, *, id_field: str, text_fields: Sequence[str], say:
     """An index root (its newest version's products), one version's folder, `grocery` or a file."""
     path = Path(source)
     if path.is_dir():
-        version = store.newest_version(path) if not (path / store.PRODUCTS_FILE).is_file() else path
-        if version is None or not (version / store.PRODUCTS_FILE).is_file():
-            raise InvalidInput(f"{source} holds no index version with {store.PRODUCTS_FILE}: give an index root "
-                               "built by `embedcar catalog build`, or a catalog file")
-        products, _rows = read_products(version / store.PRODUCTS_FILE)
-        label = str(version / store.PRODUCTS_FILE)
+        label = build_source(source)
+        products, _rows = read_products(Path(label))
     else:
         loaded = read_path(source, id_field=id_field, text_fields=text_fields)
         products, label = loaded.products, source
@@ -229,14 +225,11 @@ def catalog_digest(products: Sequence[Product], text_fields: Sequence[str]) -> s
 def logged_pairs(logged: Sequence[LoggedPair], by_id: dict[str, Product], text_fields: Sequence[str],
                  weight: float, *, seed: int) -> list[Pair]:
     """Each logged (query, product) as a pair, repeated by its weight (clicks, orders), at most 4 times."""
-    from catalog.sources import compose_text
-
     rng = random.Random(seed)
     out = []
     for lp in logged:
         doc = compose_text(by_id[lp.product_id].fields, text_fields)
-        n = weight * min(lp.weight, 4.0)
-        for _ in range(int(n) + (1 if rng.random() < n - int(n) else 0)):
+        for _ in range(draw(weight * min(lp.weight, 4.0), rng)):
             out.append(Pair(lp.query, doc, "logged", lp.product_id))
     return out
 
@@ -282,19 +275,19 @@ def _remove_work(work: Path) -> None:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def encoder(model: Any) -> heldout.Encode:
     """(texts, role) -> unit vectors with the model's prompt for the role, as it will be served."""
     import numpy as np
 
-    prompts = getattr(model, "prompts", {}) or {}
+    from catalog.tuning.trainer import role_prompts
+
+    query, document = role_prompts(model)
 
     def encode(texts: list[str], role: str) -> Any:
-        prompt = prompts.get("query", "") if role == "query" else prompts.get("document", prompts.get("passage", ""))
+        prompt = query if role == "query" else document
         vecs = model.encode(texts, prompt=prompt or None, batch_size=128, convert_to_numpy=True,
                             normalize_embeddings=True, show_progress_bar=False)
         return np.asarray(vecs, dtype=np.float32)
@@ -327,8 +320,9 @@ def build_source(catalog: str) -> str:
     if not path.is_dir():
         return catalog
     version = path if (path / store.PRODUCTS_FILE).is_file() else store.newest_version(path)
-    if version is None:
-        raise InvalidInput(f"{catalog} holds no index version to rebuild from")
+    if version is None or not (version / store.PRODUCTS_FILE).is_file():
+        raise InvalidInput(f"{catalog} holds no index version with {store.PRODUCTS_FILE}: give an index root "
+                           "built by `embedcar catalog build`, or a catalog file")
     return str(version / store.PRODUCTS_FILE)
 
 
