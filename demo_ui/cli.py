@@ -6,7 +6,8 @@ import argparse
 import logging
 from typing import Any
 
-from demo_ui.settings import DemoSettings, Settings
+from demo_ui.settings import DemoSettings
+from embedcar_settings import Settings
 from inference.flags import add_flags, flag_overrides
 
 

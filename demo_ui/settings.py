@@ -1,13 +1,12 @@
-"""The demo section and the top layer's `Settings`: every section (the demo runs the whole stack)."""
+"""The demo section (the whole project's `Settings`, with every section, is embedcar_settings.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from catalog.fusion import SearchMode
 from inference.settings import setting
-from sidecar import settings as sidecar
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,10 +27,3 @@ class DemoSettings:
     search_mode: str = setting(
         SearchMode.HYBRID.value, "The page's default Search mode (the page can switch): hybrid fuses the semantic "
         "and the lexical prefix search.", choices=tuple(m.value for m in SearchMode))
-
-
-@dataclass(frozen=True, slots=True)
-class Settings(sidecar.Settings):
-    """Every section: the demo's stack, the load test and the fault suite run with this one."""
-
-    demo: DemoSettings = field(default_factory=DemoSettings)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference import heap
 from inference.backends.factory import check_kind
 from inference.errors import FailedPrecondition, ModelError, Unavailable

@@ -11,7 +11,7 @@ no module imports upward and code names only the sections it may read:
     inference.settings.Settings   model, triton
     catalog.settings.Settings     + catalog
     sidecar.settings.Settings     + sidecar
-    demo_ui.settings.Settings     + demo (every section: what loadtest and the tests use)
+    embedcar_settings.Settings    + demo (every section, top level: what demo_ui, loadtest and the tests use)
 
 A process builds the `Settings` of the top layer it runs; a higher one passes wherever a lower one
 is asked for.
@@ -44,17 +44,18 @@ PORT_MAX = 65535  # a TCP port is 16 bits: the OS wraps a larger number (99999 -
 
 def setting(default: Any, doc: str, *, secret: bool = False, flag: str | None = None,
             choices: tuple[str, ...] | None = None, min: float | None = None, max: float | None = None,
-            home: bool = False) -> Any:
+            home: bool = False, advanced: bool = False) -> Any:
     """A documented settings field. `flag`: its CLI flag name where that differs from the field's
     (e.g. `--threads` for model.intra_op_threads); `choices`: the values its flag accepts; `min`/`max`:
     the inclusive range of a number (of each item of a tuple), checked when `Settings.load` reads a
     variable or a flag (a typo'd port or a negative count is refused there, in one line, rather than
     wrapped by the OS or failing later); `home`: a data folder, its relative default under the data
-    home (module docstring)."""
+    home (module docstring); `advanced`: a tuning or diagnostic setting an operator need not read
+    (docs/settings.md lists the operator settings first)."""
     # repr=False for secrets: a settings object in a log line or a traceback must not show them.
     return field(default=default, repr=not secret,
                  metadata={"doc": doc, "secret": secret, "flag": flag, "choices": choices, "min": min, "max": max,
-                           "home": home})
+                           "home": home, "advanced": advanced})
 
 
 def _is_checkout(folder: Path) -> bool:

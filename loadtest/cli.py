@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.cli import add_model_flags
 from inference.embedder import load_tokenizer
 from inference.errors import InvalidInput

@@ -33,7 +33,7 @@ from sidecar.admission import Admission
 from sidecar.auth import KeyRing, check_bind
 from sidecar.cache import EmbeddingCache
 from sidecar.event_loop import new_event_loop
-from sidecar.grpc_server import SERVICE, EmbedderServicer, create_server, front_limits, health_status
+from sidecar.grpc_server import EmbedderServicer, create_server, front_limits, health_status
 from sidecar.metrics import Metrics
 from sidecar.models import FALLBACK, ModelSet, ServedModel, build_model, served_names
 from sidecar.native_front import NativeFront, unavailable_reason
@@ -47,6 +47,7 @@ from sidecar.settings import Settings
 from sidecar.shedding import FRONT_SHARE, Gate
 from sidecar.tls import server_tls
 from sidecar.unix_socket import UnixSocket, prepare_unix_socket, restrict_unix_socket
+from sidecar.wire import SERVICE
 
 if TYPE_CHECKING:
     import grpc

@@ -35,11 +35,11 @@ from catalog.fusion import SearchMode, parse_mode
 from catalog.index import Hit
 from inference.backends.base import Embeddings
 from inference.errors import DeadlineExceeded, EmbedcarError, Unavailable
-from sidecar.errors import RETRY_AFTER_KEY, from_grpc
-from sidecar.grpc_server import API_KEY
+from sidecar.errors import from_grpc
 from sidecar.proto import embedcar_pb2 as pb
 from sidecar.proto import embedcar_pb2_grpc  # generated, untyped: mypy treats it as Any
 from sidecar.timings import STAGES
+from sidecar.wire import API_KEY, RETRY_AFTER_KEY
 
 _OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.max_send_message_length", -1)]
 EMBED = "/embedcar.v1.Embedder/Embed"

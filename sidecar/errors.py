@@ -7,9 +7,6 @@ import grpc
 
 from inference.errors import EmbedcarError, PayloadTooLarge, error_code, error_for_grpc
 
-# Trailing-metadata key carrying Overloaded.retry_after_s (seconds, as text).
-RETRY_AFTER_KEY = "x-retry-after-s"
-
 
 def grpc_code(exc: EmbedcarError) -> grpc.StatusCode:
     return grpc.StatusCode[error_code(type(exc)).grpc]

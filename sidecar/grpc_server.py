@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from inference.errors import EmbedcarError, Internal, InvalidInput, Unauthenticated
 from sidecar.auth import KeyRing
-from sidecar.errors import RETRY_AFTER_KEY, grpc_code
+from sidecar.errors import grpc_code
 from sidecar.metrics import Metrics
 from sidecar.proto import embedcar_pb2 as pb
 from sidecar.service import EmbedOutcome, EmbedService
@@ -34,11 +34,10 @@ from sidecar.settings import SidecarSettings
 from sidecar.shedding import Gate
 from sidecar.tls import ServerTls
 from sidecar.unix_socket import UnixSocket, bind_unix_socket, prepare_unix_socket
+from sidecar.wire import API_KEY, RETRY_AFTER_KEY, SERVICE
 
-SERVICE = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
 HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 SERVED = (SERVICE, HEALTH, reflection.SERVICE_NAME)  # what reflection lists
-API_KEY = "x-api-key"
 _F16 = "<f2"
 _F32 = "<f4"
 

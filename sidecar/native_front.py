@@ -48,10 +48,11 @@ from inference.grpc_io import EXPERIMENTS, POLLING_IO
 from inference.triton.tls import ClientCredentials
 from sidecar.errors import grpc_code
 from sidecar.event_loop import idle_lock
-from sidecar.grpc_server import SERVICE, EmbedderServicer, FrontLimits, Reflection, grpc_address
+from sidecar.grpc_server import EmbedderServicer, FrontLimits, Reflection, grpc_address
 from sidecar.native_build import build_native, load_module
 from sidecar.tls import ServerTls
 from sidecar.unix_socket import owner_only_files
+from sidecar.wire import SERVICE
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import load_tokenizer
 from inference.manifest import Manifest, load_manifest

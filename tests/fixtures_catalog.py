@@ -16,7 +16,7 @@ import pytest
 from catalog.job import BuildSummary, build
 from catalog.sources import Loaded, read_grocery
 from catalog.spec import BuildSpec
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.tokenizer import QueryTokenizer
 

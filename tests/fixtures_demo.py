@@ -23,7 +23,8 @@ from catalog.fusion import SearchMode
 from demo_ui.search import Product as FoundProduct
 from demo_ui.search import SearchFn, SearchOutcome
 from demo_ui.server import build_server, create_app
-from demo_ui.settings import DemoSettings, Settings
+from demo_ui.settings import DemoSettings
+from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import Embedder
 from inference.tokenizer import QueryTokenizer

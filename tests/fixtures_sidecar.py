@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.base import Backend, Embeddings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import DeadlineExceeded, EmbedcarError, Unavailable

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from sidecar.app import SidecarThread
 from sidecar.client import Client
 from tests.fixtures_sidecar import sidecar_settings

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from loadtest.bench import catalog as bench
 from tests.test_catalog_index import DIM, clustered
 

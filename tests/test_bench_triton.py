@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.triton.launcher import TritonServer
 from loadtest.bench.triton import SHM_PATH, run
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference import runtimes
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import Embedder, load_tokenizer

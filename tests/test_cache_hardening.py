@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.auth import KeyRing

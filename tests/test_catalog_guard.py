@@ -23,7 +23,7 @@ from catalog.publish import KEEP_HELD, check_build, publish_index
 from catalog.shards import SHARDS_DIR
 from catalog.sources import BadRow, Loaded, Product
 from catalog.spec import BuildSpec
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import FailedPrecondition, InvalidInput
 from tests.fixtures_catalog import catalog_settings_for

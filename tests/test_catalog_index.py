@@ -17,7 +17,7 @@ from catalog import store
 from catalog.index import ProductIndex, build_faiss
 from catalog.publish import publish_index
 from catalog.sources import Product
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.errors import InvalidInput, ModelError, Unavailable
 
 DIM = 32

@@ -17,7 +17,7 @@ from catalog.job import BuildSummary, build, ensure_index, merge
 from catalog.shards import select_shard
 from catalog.sources import GROCERY_SOURCE, Loaded, read_path
 from catalog.spec import BuildSpec, parse_shard
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import InvalidInput, NotFound
 

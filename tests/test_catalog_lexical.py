@@ -17,7 +17,7 @@ from catalog.index import ProductIndex
 from catalog.lexical import LEXICAL_DIR, MAX_QUERY_WORDS, PREFIX_MAX_CHARS, LexicalIndex, Terms, edge_ngrams, words
 from catalog.publish import publish_index
 from catalog.sources import Product
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.errors import FailedPrecondition, InvalidInput
 
 MODEL = "test-model@0000/fp32"

@@ -12,7 +12,7 @@ import pytest
 from catalog.calibration import fragment
 from catalog.quality import aisle_queries, evaluate, known_item_queries, markdown, score
 from catalog.sources import Loaded
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.errors import InvalidInput
 
 

@@ -18,7 +18,7 @@ from catalog import store
 from catalog.job import BuildSummary, build
 from catalog.sources import Loaded
 from catalog.spec import BuildSpec
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from tests.components import require_package
 from tests.fixtures_catalog import catalog_settings_for
 

@@ -13,7 +13,7 @@ from catalog import store
 from catalog.job import BuildSummary, build
 from catalog.sources import Loaded
 from catalog.spec import BuildSpec
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.manifest import Manifest
 

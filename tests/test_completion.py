@@ -11,7 +11,7 @@ import pytest
 
 from catalog.completion import MIN_PREFIX_CHARS, WHOLE_WORD_RATIO, Completer
 from catalog.index import ProductIndex
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.tokenizer import QueryTokenizer
 from sidecar.app import SidecarThread

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.manifest import Manifest
 from inference.triton.tls import LOCKED_FLAGS, restricted_flags
 

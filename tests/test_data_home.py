@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.settings import HOME_ENV, data_home
 from tests.conftest import ROOT
 

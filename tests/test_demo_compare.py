@@ -25,8 +25,9 @@ from websockets.asyncio.client import connect
 from catalog.fusion import SearchMode
 from demo_ui.search import Product, SearchOutcome, aisle_agreement
 from demo_ui.server import build_server, create_app
-from demo_ui.settings import DemoSettings, Settings
+from demo_ui.settings import DemoSettings
 from demo_ui.stack import Prepared, prepare, serve
+from embedcar_settings import Settings
 from inference.errors import FailedPrecondition, ModelError, Unavailable
 from inference.prepare import prepare_model
 from tests.fixtures_demo import build_small_index, grocery_sample

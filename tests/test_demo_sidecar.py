@@ -12,8 +12,8 @@ from websockets.asyncio.client import connect
 
 from catalog.fusion import SearchMode
 from demo_ui.search import ServiceSearch, SidecarSearch
-from demo_ui.settings import Settings
 from demo_ui.stack import Prepared, choose_backend, prepare, serve
+from embedcar_settings import Settings
 from inference.errors import FailedPrecondition, Unavailable
 from tests.fixtures_demo import _SHARED, running_demo, sidecar_search_fn, sidecar_search_target
 

@@ -16,7 +16,7 @@ import pytest
 
 from catalog.publish import publish_index
 from catalog.sources import Product
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from loadtest.faults import index_swap, job_kill
 from loadtest.faults.result import ScenarioResult
 from sidecar.search_index import IndexHolder

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from loadtest.faults import overload, triton_kill, triton_pool
 from loadtest.faults.result import ScenarioResult
 from tests.components import require_triton

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference import native_cache
 from inference.backends.onnx import OnnxBackend
 from inference.cli_main import report

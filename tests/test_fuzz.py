@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from demo_ui.server import parse_message
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.errors import InvalidInput
 from loadtest.faults import fuzz
 from loadtest.faults.surfaces import DemoThread, http_post

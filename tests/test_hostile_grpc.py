@@ -24,9 +24,9 @@ from grpc_reflection.v1alpha import reflection_pb2
 from hyperframe.frame import DataFrame
 
 from inference.ports import free_port
-from sidecar.grpc_server import API_KEY
 from sidecar.proto import embedcar_pb2 as pb
 from sidecar.proto import embedcar_pb2_grpc
+from sidecar.wire import API_KEY
 from tests.conftest import ROOT
 from tests.h2_client import H2Caller, Headers, grpc_headers, grpc_message
 

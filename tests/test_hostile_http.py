@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from sidecar import http_protocol
 from sidecar.admission import Admission

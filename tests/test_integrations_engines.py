@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from sidecar.http_protocol import offers_upgrade
 from tests.integrations_common import ENGINE_BATCH, KEY, TITLES, WRONG_KEY, EngineSidecar, engine_sidecar
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from sidecar.client import Client
 from sidecar.java_client import build_java_client, java_command, java_unavailable_reason
 from tests.integrations_common import KEY, TITLES, EngineSidecar, engine_sidecar

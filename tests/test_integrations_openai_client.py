@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from tests.integrations_common import KEY, TITLES, WRONG_KEY, EngineSidecar, engine_sidecar
 
 

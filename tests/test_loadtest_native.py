@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference import native_cache
 from inference.backends.onnx import OnnxBackend
 from inference.cli_main import main as cli_main

@@ -14,7 +14,7 @@ import pytest
 
 from catalog.settings import CatalogSettings
 from catalog.settings import Settings as CatalogAppSettings
-from demo_ui.settings import Settings as SidecarAppSettings
+from embedcar_settings import Settings as SidecarAppSettings
 from inference.cli_main import build_parser
 from inference.manifest import Manifest, load_manifest, verify_files
 from inference.prepare import prepare_model

@@ -7,8 +7,8 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from demo_ui import reference
-from demo_ui.settings import Settings
+import embedcar_docs as reference
+from embedcar_settings import Settings
 from inference.cli_main import main as cli_main
 from inference.settings import env_name, setting
 from inference.settings_reference import settings_page

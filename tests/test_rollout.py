@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.errors import EmbedcarError
 from inference.manifest import load_manifest
 from inference.triton.launcher import TritonServer

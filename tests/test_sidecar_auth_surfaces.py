@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.errors import Unauthenticated
 from loadtest.faults import auth
 from loadtest.faults.surfaces import DemoThread, LogCapture

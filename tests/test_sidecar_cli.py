@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.errors import Unavailable
 from inference.ports import free_port
 from sidecar.allocator import library

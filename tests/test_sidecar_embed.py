@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import Embedder
 from inference.errors import DeadlineExceeded, Internal, Unavailable

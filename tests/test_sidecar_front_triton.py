@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.errors import Unavailable
 from inference.triton.launcher import TritonServer
 from sidecar.app import SidecarThread

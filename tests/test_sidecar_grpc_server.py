@@ -19,12 +19,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.errors import Unavailable
 from sidecar.app import SidecarThread
 from sidecar.client import AsyncClient, Client
-from sidecar.grpc_server import SERVICE
 from sidecar.proto import embedcar_pb2 as pb
+from sidecar.wire import SERVICE
 from tests.fixtures_sidecar import ProbeBackend, sidecar_settings, until
 from tests.test_sidecar_native_front import QUERIES, needs_front, passes
 

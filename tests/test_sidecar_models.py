@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.factory import make_backend
 from inference.embedder import Embedder, load_tokenizer
 from inference.errors import FailedPrecondition, InvalidInput

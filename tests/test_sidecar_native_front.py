@@ -18,16 +18,16 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference import native_cache
 from inference.backends.onnx import OnnxBackend
 from inference.errors import DeadlineExceeded, InvalidInput, Overloaded, Unauthenticated, Unavailable
 from sidecar import native_build
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.client import Client, embed_request
-from sidecar.grpc_server import SERVICE
 from sidecar.native_front import SOURCE, unavailable_reason
 from sidecar.proto import embedcar_pb2 as pb
+from sidecar.wire import SERVICE
 from tests.fixtures_sidecar import sidecar_settings
 
 KEY = "front-key-9a8b7c6d5e"

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.base import Embeddings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import DeadlineExceeded, InvalidInput, Overloaded, Unauthenticated, Unavailable

@@ -17,7 +17,7 @@ from catalog import store
 from catalog.lexical import LEXICAL_DIR
 from catalog.publish import publish_index
 from catalog.sources import Product
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import Embedder
 from inference.errors import FailedPrecondition, InvalidInput, Unavailable

@@ -15,12 +15,12 @@ import grpc
 import numpy as np
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.errors import DeadlineExceeded, InvalidInput, Unavailable
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.client import AsyncClient, Client
-from sidecar.grpc_server import SERVICE
 from sidecar.proto import embedcar_pb2 as pb
+from sidecar.wire import SERVICE
 from tests.fixtures_sidecar import ProbeBackend, sidecar_settings
 
 QUERIES = ["oat milk", "greek yogurt plain", "gluten free bread", "dark chocolate 70%", "baby spinach",

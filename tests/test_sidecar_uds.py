@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import InvalidInput, Unauthenticated, Unavailable
 from sidecar.app import SidecarThread

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.errors import (
     ERROR_CODES,
     DeadlineExceeded,

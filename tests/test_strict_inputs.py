@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import EmbedcarError, InvalidInput, Unavailable
 from inference.settings import range_text

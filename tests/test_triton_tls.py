@@ -26,7 +26,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.factory import make_backend
 from inference.backends.onnx import OnnxBackend
 from inference.backends.triton import CredentialsRefused, TritonBackend

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.backends.triton import TritonBackend
 from inference.embedder import Embedder

@@ -19,7 +19,7 @@ import pytest
 from catalog.settings import Settings as CatalogSettings
 from catalog.tuning.recipe import Recipe, parse_mix
 from catalog.tuning.tune import GateRefused, Request, Result, tune
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.errors import InvalidInput
 from inference.manifest import load_manifest
 from sidecar.app import SidecarThread

@@ -38,7 +38,7 @@ from inference.backends.base import Backend, Embeddings
 from inference.errors import DeadlineExceeded, EmbedcarError, FailedPrecondition, Internal, InvalidInput, Unavailable
 from inference.manifest import Manifest
 from inference.tokenizer import TokenBatch
-from inference.triton.names import ENSEMBLE_PREFIX, served_names
+from inference.triton.names import DEADLINE_PARAM, ENSEMBLE_PREFIX, POOL_SKIP_PARAM, served_names
 from inference.triton.tls import ClientCredentials
 
 log = logging.getLogger(__name__)
@@ -49,13 +49,6 @@ ID_TYPES = {"INT32": np.int32, "INT64": np.int64}
 WIRE_TYPES = {np.int32: "INT32", np.int64: "INT64"}
 _LITTLE_ENDIAN = {t: np.dtype(t).newbyteorder("<") for t in WIRE_TYPES}
 OUTPUT = "embedding"
-# The caller's deadline, wall clock (ns since the epoch), as a request parameter: the CPU encoder
-# answers EXPIRED instead of computing a request that waited past it (inference/triton/models/encoder;
-# across hosts this needs synchronised clocks: docs/scale.md).
-DEADLINE_PARAM = "embedcar_deadline_ns"
-EXPIRED = "request timeout expired before the encoder ran"
-# Leading tokens the pooling leaves out (a prompt the model pools without): sent only when not 0.
-POOL_SKIP_PARAM = "embedcar_pool_skip"
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 # A blocking unary call on one channel: (method, request bytes, timeout_s, metadata) -> reply bytes,

@@ -1,4 +1,5 @@
-"""The Triton model names of one served model version (the repository writes them, clients call them).
+"""The Triton model names of one served model version (the repository writes them, clients call them),
+and the request parameters the client and the models share.
 
 Each (model, served variant) gets its own ensemble and steps, named after the model and a short hash
 of its variant id: `embedder.<model>.<hash>`, `encoder.<model>.<hash>`, `pooling.<model>.<hash>`. A
@@ -21,6 +22,14 @@ from inference.manifest import Manifest
 ENSEMBLE_PREFIX = "embedder"
 ENCODER_PREFIX = "encoder"
 POOLING_PREFIX = "pooling"
+# Request parameters the client sends and the repository's models read. The caller's deadline, wall
+# clock (ns since the epoch): the CPU encoder answers EXPIRED instead of computing a request that
+# waited past it (inference/triton/models/encoder; across hosts this needs synchronised clocks:
+# docs/scale.md).
+DEADLINE_PARAM = "embedcar_deadline_ns"
+EXPIRED = "request timeout expired before the encoder ran"
+# Leading tokens the pooling leaves out (a prompt the model pools without): sent only when not 0.
+POOL_SKIP_PARAM = "embedcar_pool_skip"
 _MODEL_CHARS = 40  # a readable model part; the hash, not the name, keeps versions apart
 _HASH_CHARS = 10
 

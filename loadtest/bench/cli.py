@@ -26,6 +26,7 @@ from typing import Any
 
 from catalog import settings as catalog
 from demo_ui import settings as demo
+from embedcar_settings import Settings
 from inference import settings as inference
 from inference.cli import add_model_flags
 from inference.files import atomic_write_text
@@ -332,7 +333,7 @@ def _register_demo(areas: Any) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from loadtest.bench.demo import bench
 
-    s = demo.Settings.load(overrides=flag_overrides(args)).demo
+    s = Settings.load(overrides=flag_overrides(args)).demo
     url = args.url or f"ws://{s.host}:{s.port}/ws"
     bench(url, n_queries=args.queries, key_interval_ms=args.key_interval_ms, seed=args.seed,
           budget_ms=s.budget_ms, out=args.out)

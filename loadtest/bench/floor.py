@@ -25,8 +25,8 @@ from inference.errors import EmbedcarError
 from inference.lifecycle import terminate
 from inference.ports import free_port
 from sidecar.client import Client
-from sidecar.grpc_server import SERVICE
 from sidecar.proto import embedcar_pb2 as pb
+from sidecar.wire import SERVICE
 
 
 def fixed_reply(dim: int) -> bytes:

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import grpc
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from loadtest.faults.result import ScenarioResult
-from sidecar.grpc_server import API_KEY, SERVICE
 from sidecar.proto import embedcar_pb2 as pb
+from sidecar.wire import API_KEY, SERVICE
 
 NAME = "auth"
 TITLE = ("With API keys set: every surface refuses a missing or wrong key and serves the right one; "

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.cli import add_model_flags
 from inference.flags import flag_overrides
 from loadtest.faults.runner import run_scenarios, scenarios, write_report

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.embedder import load_tokenizer
 from inference.errors import DeadlineExceeded
 from inference.manifest import load_manifest

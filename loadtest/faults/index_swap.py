@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.errors import EmbedcarError
 from loadtest.faults.result import ScenarioResult
 

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from catalog import store
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.files import sha256_file
 from loadtest.faults.result import ScenarioResult
 

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from loadtest.faults.common import Phase, fmt, fresh_queries, load_during, rss_mb
 from loadtest.faults.result import ScenarioResult
 from loadtest.native import sender_for

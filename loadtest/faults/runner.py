@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.errors import InvalidInput
 from loadtest.faults.result import ScenarioResult
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from demo_ui.settings import DemoSettings, Settings
+from demo_ui.settings import DemoSettings
+from embedcar_settings import Settings
 
 if TYPE_CHECKING:
     from sidecar.app import Sidecar

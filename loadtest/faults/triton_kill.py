@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.triton.launcher import TritonServer, triton_unavailable_reason
 from loadtest.faults.common import Phase, RecordingEmbedTarget, check_no_key_material, fmt, fresh_queries, load_during
 from loadtest.faults.result import ScenarioResult

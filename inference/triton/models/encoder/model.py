@@ -71,8 +71,8 @@ class TritonPythonModel:
 
             self.head = from_params(params)
         from inference import heap
-        from inference.backends.triton import DEADLINE_PARAM, EXPIRED, POOL_SKIP_PARAM
         from inference.triton.models import tensors
+        from inference.triton.names import DEADLINE_PARAM, EXPIRED, POOL_SKIP_PARAM
 
         self.tensors = tensors
         self.deadline_param, self.expired, self.skip_param = DEADLINE_PARAM, EXPIRED, POOL_SKIP_PARAM

@@ -28,9 +28,9 @@ def config_params(args: dict[str, str]) -> dict[str, str]:
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         params = config_params(args)
-        from inference.backends.triton import POOL_SKIP_PARAM
         from inference.head import from_params
         from inference.triton.models import tensors
+        from inference.triton.names import POOL_SKIP_PARAM
 
         self.head: Any = from_params(params)
         self.tensors = tensors

@@ -1,7 +1,7 @@
 """`embedcar docs reference`: write the reference pages (settings, metrics, HTTP API, catalog files)
 from the code.
 
-It lives in the top layer because only this layer's `Settings` holds every section; the pages
+It lives at the top level beside embedcar_settings.py, whose `Settings` holds every section; the pages
 themselves are rendered where their data is (inference/settings_reference.py,
 sidecar/metrics_reference.py, sidecar/http_reference.py, catalog/files_reference.py). `--check` writes
 nothing and fails when a page is stale (CI).
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from catalog.files_reference import catalog_files_page
-from demo_ui.settings import Settings
+from embedcar_settings import Settings
 from inference.files import atomic_write_text
 from inference.settings_reference import settings_page
 from sidecar.http_reference import http_page
