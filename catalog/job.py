@@ -11,7 +11,7 @@ queries) -> a versioned FAISS index, published atomically. `build` reads as the 
     calibrate             catalog/calibration.py  query-like texts to tune an approximate index
     check, build index, publish
                           catalog/publish.py      publish checks (bad rows, item count vs the current version),
-                                                  FAISS (catalog/index.py) -> version folder (catalog/store.py),
+                                                  FAISS (catalog/index_build.py) -> version folder (catalog/store.py),
                                                   or a held one when the checks fail (not made current)
                           catalog/shards.py       or, with n > 1, this worker's share for `merge`
 """
@@ -34,7 +34,7 @@ from catalog import store
 from catalog.calibration import calibration_queries
 from catalog.checkpoints import WORK_DIR, Checkpoints
 from catalog.embedding import ChunkedEmbedder
-from catalog.index import resolve_type
+from catalog.index_build import resolve_type
 from catalog.lock import exclusive
 from catalog.publish import PublishChecks, check_build, check_limits, publish_index
 from catalog.settings import ENGINES, Settings

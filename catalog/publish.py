@@ -22,7 +22,8 @@ import numpy as np
 import numpy.typing as npt
 
 from catalog import store
-from catalog.index import build_faiss, faiss_module
+from catalog.faiss_lib import faiss_module
+from catalog.index_build import build_faiss
 from catalog.lexical import LEXICAL_DIR, build_lexical
 from catalog.product_table import write_products
 from catalog.settings import CatalogSettings, Settings

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from catalog.calibration import calibration_queries, fragment
-from catalog.index import ann_recall, build_faiss, exact_topk
+from catalog.index_build import ann_recall, build_faiss, exact_topk
 from catalog.settings import Settings
 from catalog.sources import Product, compose_text, read_grocery
 from inference.backends.onnx import OnnxBackend

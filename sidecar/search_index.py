@@ -1,8 +1,9 @@
 """The product index behind Search: opened lazily, hot-reloaded by polling, searched off the loop.
 
-catalog.index is imported lazily: a sidecar that only embeds does not need FAISS. Both legs of a
-hybrid search run in one worker call, one after the other: the lexical leg costs ~0.1 ms, less
-than a second thread hop would, and both read the same loaded version.
+catalog.index (the reader only: building is catalog/index_build.py) is imported lazily: a sidecar
+that only embeds does not need FAISS. Both legs of a hybrid search run in one worker call, one
+after the other: the lexical leg costs ~0.1 ms, less than a second thread hop would, and both read
+the same loaded version.
 
 A version the catalog job held back (it failed its publish checks, catalog/publish.py) is never
 swapped in (catalog/store.py keeps it from `newest_version`); the watcher logs a WARNING once per such

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from catalog import index as index_mod
-from catalog import store
-from catalog.index import ProductIndex, build_faiss
+from catalog import index_build, store
+from catalog.faiss_lib import faiss_module
+from catalog.index import ProductIndex
+from catalog.index_build import build_faiss
 from catalog.publish import publish_index
 from catalog.sources import Product
 from embedcar_settings import Settings
@@ -71,15 +73,15 @@ def test_each_index_type_finds_stored_items(s: Settings, kind: str) -> None:
 def test_ivf_nprobe_is_chosen_to_reach_the_recall_target(s: Settings) -> None:
     x = clustered(8000, seed=3)
     index, params = build_faiss(x, s.catalog, index_type="ivf")
-    assert params["nlist"] == index_mod.auto_nlist(8000)
+    assert params["nlist"] == index_build.auto_nlist(8000)
     assert params["build_recall_at_10"] >= s.catalog.ann_recall_target
-    q = index_mod.sample_queries(x, seed=99)
-    assert index_mod.ann_recall(index, x, q) >= 0.9  # fresh queries: close to the target too
+    q = index_build.sample_queries(x, seed=99)
+    assert index_build.ann_recall(index, x, q) >= 0.9  # fresh queries: close to the target too
 
 
 @pytest.mark.parametrize("refine", ["fp16", "sq8"])
 def test_ivfpq_is_compressed_and_reaches_the_recall_target(s: Settings, refine: str) -> None:
-    faiss = index_mod.faiss_module()
+    faiss = faiss_module()
     x = clustered(8000, seed=3)
     cs = s.with_section("catalog", ivfpq_refine=refine, ivfpq_m=DIM // 2).catalog  # 8-byte codes at 32-d
     index, params = build_faiss(x, cs, index_type="ivfpq")
@@ -93,21 +95,21 @@ def test_ivfpq_is_compressed_and_reaches_the_recall_target(s: Settings, refine: 
     per_item = {"fp16": DIM * 2 + DIM // 4, "sq8": DIM + DIM // 4}[refine]
     size = faiss.serialize_index(index).nbytes
     assert size < 1.1 * per_item * len(x) + 200_000 < faiss.serialize_index(flat).nbytes
-    q = index_mod.sample_queries(x, seed=99)
-    assert index_mod.ann_recall(index, x, q) >= 0.9  # fresh queries: close to the target too
+    q = index_build.sample_queries(x, seed=99)
+    assert index_build.ann_recall(index, x, q) >= 0.9  # fresh queries: close to the target too
 
 
 def test_nprobe_is_the_smallest_that_reaches_the_target(s: Settings) -> None:
     x = clustered(8000, seed=4)
     cs = s.with_section("catalog", ann_recall_margin=0.0).catalog
     index, params = build_faiss(x, cs, index_type="ivf")
-    q = index_mod.sample_queries(x, 0)  # build_faiss's own synthetic calibration queries (seed 0)
-    ivf = index_mod.faiss_module().extract_index_ivf(index)
+    q = index_build.sample_queries(x, 0)  # build_faiss's own synthetic calibration queries (seed 0)
+    ivf = faiss_module().extract_index_ivf(index)
     got = params["nprobe"]
-    assert index_mod.ann_recall(index, x, q) >= cs.ann_recall_target
+    assert index_build.ann_recall(index, x, q) >= cs.ann_recall_target
     if got > 1:
         ivf.nprobe = got - 1
-        assert index_mod.ann_recall(index, x, q) < cs.ann_recall_target
+        assert index_build.ann_recall(index, x, q) < cs.ann_recall_target
 
 
 def test_a_memory_mapped_input_builds_the_same_index(s: Settings, tmp_path: Path) -> None:
@@ -117,31 +119,31 @@ def test_a_memory_mapped_input_builds_the_same_index(s: Settings, tmp_path: Path
     mm.flush()
     mapped = np.load(tmp_path / "v.npy", mmap_mode="r")
     small_add = 1000  # several slices
-    orig = index_mod._ADD_ROWS
-    index_mod._ADD_ROWS = small_add
+    orig = index_build._ADD_ROWS
+    index_build._ADD_ROWS = small_add
     try:
         a, pa_ = build_faiss(mapped, s.catalog, index_type="ivfpq")
-        truth = index_mod.exact_topk(mapped, x[:50], 10)
+        truth = index_build.exact_topk(mapped, x[:50], 10)
     finally:
-        index_mod._ADD_ROWS = orig
+        index_build._ADD_ROWS = orig
     b, pb = build_faiss(x, s.catalog, index_type="ivfpq")
     # The recorded recall may differ in the last digit: exact search summed in slices rounds differently.
     assert pa_.pop("build_recall_at_10") == pytest.approx(pb.pop("build_recall_at_10"), abs=0.002)
     assert pa_ == pb and a.ntotal == b.ntotal == 5000
     assert np.array_equal(a.search(x[:50], 10)[1], b.search(x[:50], 10)[1])
-    whole = index_mod.exact_topk(x, x[:50], 10)
+    whole = index_build.exact_topk(x, x[:50], 10)
     assert np.mean(truth == whole) > 0.99 and np.array_equal(truth[:, 0], whole[:, 0])  # sliced = whole
 
 
 def test_auto_type_is_flat_small_hnsw_medium_ivfpq_large(s: Settings) -> None:
     small = s.with_section("catalog", flat_max_items=1000, hnsw_max_items=5000)
-    assert index_mod.resolve_type("auto", 1000, small.catalog) == "flat"
-    assert index_mod.resolve_type("auto", 1001, small.catalog) == "hnsw"
-    assert index_mod.resolve_type("auto", 5001, small.catalog) == "ivfpq"
-    assert index_mod.resolve_type("auto", 49_688, s.catalog) == "hnsw"  # the grocery catalog
-    assert index_mod.resolve_type("auto", 10_000_000, s.catalog) == "ivfpq"
+    assert index_build.resolve_type("auto", 1000, small.catalog) == "flat"
+    assert index_build.resolve_type("auto", 1001, small.catalog) == "hnsw"
+    assert index_build.resolve_type("auto", 5001, small.catalog) == "ivfpq"
+    assert index_build.resolve_type("auto", 49_688, s.catalog) == "hnsw"  # the grocery catalog
+    assert index_build.resolve_type("auto", 10_000_000, s.catalog) == "ivfpq"
     with pytest.raises(InvalidInput):
-        index_mod.resolve_type("annoy", 10, s.catalog)
+        index_build.resolve_type("annoy", 10, s.catalog)
     with pytest.raises(InvalidInput, match="ivfpq_m"):
         build_faiss(clustered(2000), s.with_section("catalog", ivfpq_m=5).catalog, index_type="ivfpq")
 

@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from catalog.calibration import fragment
-from catalog.index import exact_topk
+from catalog.index_build import exact_topk
 from catalog.prefix_quality import CUTS, cut
 from catalog.quality import K, QuerySet, score
 from catalog.sources import Product, compose_text

@@ -21,7 +21,8 @@ import numpy as np
 import numpy.typing as npt
 
 from catalog import store
-from catalog.index import ann_recall, build_faiss, exact_topk, faiss_module, sample_queries
+from catalog.faiss_lib import faiss_module
+from catalog.index_build import ann_recall, build_faiss, exact_topk, sample_queries
 from catalog.job import build
 from catalog.settings import Settings
 from catalog.sources import compose_text, read_grocery

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from catalog.index import ivf_factory
+from catalog.index_build import ivf_factory
 from catalog.quality import evaluate
 from catalog.settings import CatalogSettings, Settings
 from catalog.sources import Product, read_grocery

@@ -166,7 +166,7 @@ def verify_version(v: Path, ref_sha: str, ref_ids: list[str]) -> str:
     pruned while being read; else what is wrong."""
     import pyarrow.parquet as pq
 
-    from catalog.index import faiss_module
+    from catalog.faiss_lib import faiss_module
 
     try:
         manifest = store.read_manifest(v)
