@@ -15,6 +15,10 @@ call instead of a unary call each: about half the round trip, for callers with a
 small requests (opened on first use, reopened on the next call after it fails).
 Failures raise inference.errors types (Unauthenticated, Overloaded, InvalidInput, Unavailable,
 DeadlineExceeded, Internal); Overloaded carries the server's retry_after_s hint.
+
+It imports no server module, only the generated stubs, sidecar/wire.py, the error types and its
+result types (sidecar/results.py), so a search node needs grpcio, protobuf and numpy, not the model
+stack (tests/test_client_standalone.py).
 """
 
 from __future__ import annotations
@@ -31,38 +35,33 @@ from typing import Any, Self
 import grpc
 import numpy as np
 
-from catalog.fusion import SearchMode, parse_mode
-from catalog.index import Hit
-from inference.backends.base import Embeddings
-from inference.errors import DeadlineExceeded, EmbedcarError, Unavailable
+from inference.errors import DeadlineExceeded, EmbedcarError, InvalidInput, Unavailable
 from sidecar.errors import from_grpc
 from sidecar.proto import embedcar_pb2 as pb
 from sidecar.proto import embedcar_pb2_grpc  # generated, untyped: mypy treats it as Any
-from sidecar.timings import STAGES
+from sidecar.results import EmbedResult as EmbedResult  # re-exported: callers import the results from here
+from sidecar.results import SearchHit as SearchHit
+from sidecar.results import SearchResult as SearchResult
 from sidecar.wire import API_KEY, RETRY_AFTER_KEY
+
+# The stage and search-mode names come from the .proto rather than from the server's modules
+# (sidecar.timings.STAGES, catalog.fusion.SearchMode), which the client does not import;
+# tests/test_client_standalone.py holds them equal.
+STAGES: tuple[str, ...] = tuple(f.name for f in pb.Timings.DESCRIPTOR.fields)
+SEARCH_MODES: tuple[str, ...] = tuple(v.name.lower() for v in pb.SearchMode.DESCRIPTOR.values)
+SEMANTIC = "semantic"
 
 _OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.max_send_message_length", -1)]
 EMBED = "/embedcar.v1.Embedder/Embed"
 
 
-@dataclass(frozen=True, slots=True)
-class EmbedResult:
-    embeddings: Embeddings  # [n, dim] float32
-    model: str
-    cache_hits: list[bool]
-    truncated: list[bool]
-    timings_ns: dict[str, int]
-    backend: str = ""  # which backend computed the misses ("" = all from the cache)
-
-
-@dataclass(frozen=True, slots=True)
-class SearchResult:
-    hits: list[list[Hit]]
-    model: str
-    index_version: str
-    cache_hits: list[bool]
-    timings_ns: dict[str, int]
-    backend: str = ""
+def mode_label(mode: str) -> str:
+    """The request's SearchMode label ("HYBRID") for a mode name in any case (a catalog.fusion.SearchMode
+    is one too); InvalidInput, as the server's parse_mode, for anything else."""
+    name = str(mode).strip().lower()
+    if name not in SEARCH_MODES:
+        raise InvalidInput(f"unknown search mode {str(mode)[:40]!r}; expected one of {', '.join(SEARCH_MODES)}")
+    return name.upper()
 
 
 def timings_of(t: pb.Timings) -> dict[str, int]:
@@ -79,7 +78,7 @@ def decode_embed(reply: pb.EmbedReply) -> EmbedResult:
 
 
 def decode_search(reply: pb.SearchReply) -> SearchResult:
-    hits = [[Hit(h.id, float(h.score), dict(h.fields), tuple(h.legs)) for h in hl.hits] for hl in reply.results]
+    hits = [[SearchHit(h.id, float(h.score), dict(h.fields), tuple(h.legs)) for h in hl.hits] for hl in reply.results]
     return SearchResult(hits, reply.model, reply.index_version, list(reply.cache_hits), timings_of(reply.timings),
                         reply.backend)
 
@@ -97,9 +96,9 @@ def embed_request(texts: Texts, float16: bool, model: str | None = None) -> pb.E
 
 
 def search_request(texts: Texts, k: int, department: str | None, aisle: str | None,
-                   mode: SearchMode | str = SearchMode.SEMANTIC, model: str | None = None) -> pb.SearchRequest:
+                   mode: str = SEMANTIC, model: str | None = None) -> pb.SearchRequest:
     return pb.SearchRequest(texts=text_list(texts), k=k, department=department or "", aisle=aisle or "",
-                            mode=parse_mode(mode).name, model=model or "")  # the enum label, e.g. "HYBRID"
+                            mode=mode_label(mode), model=model or "")
 
 
 def map_rpc_error(exc: grpc.RpcError) -> EmbedcarError:
@@ -281,7 +280,7 @@ class AsyncClient(_Calls):
         return decode_embed(reply)
 
     async def search(self, texts: Texts, *, k: int = 10, department: str | None = None,
-                     aisle: str | None = None, mode: SearchMode | str = SearchMode.SEMANTIC,
+                     aisle: str | None = None, mode: str = SEMANTIC,
                      model: str | None = None, timeout_s: float | None = None) -> SearchResult:
         req = search_request(texts, k, department, aisle, mode, model)
         if self._session is not None:
@@ -318,7 +317,7 @@ class Client(_Calls):
         return decode_embed(reply)
 
     def search(self, texts: Texts, *, k: int = 10, department: str | None = None,
-               aisle: str | None = None, mode: SearchMode | str = SearchMode.SEMANTIC, model: str | None = None,
+               aisle: str | None = None, mode: str = SEMANTIC, model: str | None = None,
                timeout_s: float | None = None) -> SearchResult:
         with RPC_ERRORS:
             reply = self._stub.Search(search_request(texts, k, department, aisle, mode, model), timeout=timeout_s,
