@@ -34,7 +34,9 @@ def load_tokenizer(model_dir: Path, manifest: Manifest, *, max_text_chars: int =
 
 
 @dataclass(slots=True)
-class EmbedResult:
+class EmbedderOutput:
+    """`Embedder.embed`'s answer, computed in this process (the sidecar's reply is sidecar.results.EmbedResult)."""
+
     embeddings: Embeddings
     truncated: list[bool]
     token_counts: list[int]
@@ -48,7 +50,7 @@ class Embedder:
         self.max_batch = max_batch
 
     async def embed(self, texts: Sequence[object], *, check: bool = True,
-                    backend_batch: int | None = None) -> EmbedResult:
+                    backend_batch: int | None = None) -> EmbedderOutput:
         """Embed `texts` in input order. `check=False` skips the per-call batch cap (batch jobs)."""
         t0 = time.perf_counter_ns()
         clean = check_texts(texts, max_batch=self.max_batch if check else max(len(texts), 1))
@@ -62,5 +64,5 @@ class Embedder:
         for (chunk, _b), emb in zip(calls, results, strict=True):
             out[chunk] = emb
         t2 = time.perf_counter_ns()
-        return EmbedResult(out, enc.truncated, enc.lengths,
+        return EmbedderOutput(out, enc.truncated, enc.lengths,
                            {"tokenize": t1 - t0, "inference": t2 - t1, "total": t2 - t0})

@@ -60,7 +60,10 @@ class TokenCounter(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class Product:
+class QueryProduct:
+    """A product as the query templates fill it in (not catalog.sources.Product, a catalog row to index):
+    its lower-case name, aisle, department, base price and the pack units of its department."""
+
     name: str
     aisle: str
     department: str
@@ -79,7 +82,7 @@ def grocery_data_path() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def load_products() -> tuple[Product, ...]:
+def load_products() -> tuple[QueryProduct, ...]:
     """English rows of the catalog: [id, aisle_id, department_id, base_price, name_en, ...]."""
     raw = json.loads(grocery_data_path().read_text(encoding="utf-8"))
     departments = {int(k): v["en"] for k, v in raw["departments"].items()}
@@ -91,7 +94,7 @@ def load_products() -> tuple[Product, ...]:
         _pid, aisle_id, dept_id, price, name = row[:5]
         if aisles.get(aisle_id) in (None, "missing", "other"):
             continue
-        out.append(Product(str(name).lower(), aisles[aisle_id], departments.get(dept_id, "grocery"),
+        out.append(QueryProduct(str(name).lower(), aisles[aisle_id], departments.get(dept_id, "grocery"),
                            float(price), dept_units.get(dept_id, ("pack",))))
     return tuple(out)
 
@@ -121,7 +124,7 @@ class QueryMix:
         unique: bool = False,
         min_tokens: int = MIN_TOKENS,
         max_tokens: int = MAX_TOKENS,
-        products: Sequence[Product] | None = None,
+        products: Sequence[QueryProduct] | None = None,
     ) -> None:
         if not 0.0 <= repeat_share <= 1.0:
             raise InvalidInput(f"repeat share must be within 0..1, got {repeat_share}")
@@ -141,7 +144,7 @@ class QueryMix:
         self.pool = [self._fresh() for _ in range(pool_size)]
         self._cum = list(accumulate(1.0 / (rank ** zipf_s) for rank in range(1, pool_size + 1)))
 
-    def _render(self, template: str, p: Product) -> str:
+    def _render(self, template: str, p: QueryProduct) -> str:
         rng = self._rng
         # Modifiers the product name already carries would read "organic organic ...".
         fresh = [m for m in MODIFIERS if m not in p.name] or list(MODIFIERS)
