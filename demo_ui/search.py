@@ -1,22 +1,22 @@
-"""What the demo server needs from search: one async call, text -> products + per-stage timings.
+"""What the demo server needs from search: one async call, text -> the client's SearchResult.
 
 The websocket logic depends only on `SearchFn`, so it can be exercised against any real
 implementation. `ServiceSearch` is the one `embedcar demo` runs: its sidecar lives in the demo
 server's process, so a keystroke calls the sidecar's service directly (its auth, rate limit,
 pipeline and index, no gRPC round trip). `SidecarSearch` calls a sidecar elsewhere over gRPC.
+Either way the page sees what a gRPC caller would (sidecar/results.py): the page is a client.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from catalog.fusion import SearchMode
+from sidecar.results import SearchHit, SearchResult
 
 if TYPE_CHECKING:
-    from catalog.index import Hit
     from sidecar.client import AsyncClient
     from sidecar.service import EmbedService
 
@@ -24,54 +24,29 @@ if TYPE_CHECKING:
 STAGES: tuple[str, ...] = ("cache", "tokenize", "queue", "inference", "search", "lexical")
 
 
-@dataclass(frozen=True, slots=True)
-class Product:
-    title: str
-    aisle: str
-    department: str
-    score: float
-    legs: tuple[str, ...] = ()  # which search leg(s) found it: "semantic", "lexical"
-
-    def to_json(self) -> dict[str, str | float | list[str]]:
-        return {"title": self.title, "aisle": self.aisle, "department": self.department,
-                "score": round(self.score, 4), "legs": list(self.legs)}
+def hit_json(hit: SearchHit) -> dict[str, str | float | list[str]]:
+    """One result row as the page draws it (a product without a title shows its id)."""
+    return {"title": hit.fields.get("title", hit.id), "aisle": hit.fields.get("aisle", ""),
+            "department": hit.fields.get("department", ""), "score": round(hit.score, 4), "legs": list(hit.legs)}
 
 
-@dataclass(frozen=True, slots=True)
-class SearchOutcome:
-    products: list[Product]
-    timings_ns: dict[str, int] = field(default_factory=dict)
-    cache_hit: bool = False
-    model: str = ""
-    index_version: str = ""
-
-
-def aisle_agreement(products: Sequence[Product], top: int = 3) -> dict[str, str | int] | None:
+def aisle_agreement(hits: Sequence[SearchHit], top: int = 3) -> dict[str, str | int] | None:
     """Compare mode's per-column badge: how many of the results lie in the aisle most common among
     the column's own first `top` (ties go to the higher-ranked result). It measures how coherent a
     column is, not whether it is relevant (no query has a labelled answer offline): a column whose
     results all share one wrong aisle scores full marks. None where the results carry no aisle."""
-    head = [p.aisle for p in products[:top] if p.aisle]
+    aisles = [h.fields.get("aisle", "") for h in hits]
+    head = [a for a in aisles[:top] if a]
     if not head:
         return None
     aisle = max(head, key=lambda a: (head.count(a), -head.index(a)))
-    return {"aisle": aisle, "count": sum(p.aisle == aisle for p in products), "of": len(products)}
+    return {"aisle": aisle, "count": aisles.count(aisle), "of": len(aisles)}
 
 
 class SearchFn(Protocol):
-    async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchOutcome:
-        """Best `k` products for one query. Raises inference.errors types only."""
+    async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchResult:
+        """Best `k` products for one query (`hits[0]`). Raises inference.errors types only."""
         ...
-
-
-def _outcome(hits: list[list[Hit]], timings_ns: dict[str, int], cache_hits: list[bool], model: str,
-             index_version: str) -> SearchOutcome:
-    products = [Product(title=h.fields.get("title", h.id), aisle=h.fields.get("aisle", ""),
-                        department=h.fields.get("department", ""), score=float(h.score), legs=h.legs)
-                for h in (hits[0] if hits else [])]
-    return SearchOutcome(products=products, timings_ns={k: int(v) for k, v in timings_ns.items()},
-                         cache_hit=bool(cache_hits[0]) if cache_hits else False, model=model,
-                         index_version=index_version)
 
 
 class SidecarSearch:
@@ -80,9 +55,8 @@ class SidecarSearch:
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
-    async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchOutcome:
-        res = await self._client.search([text], k=k, mode=mode, timeout_s=timeout_s)
-        return _outcome(res.hits, res.timings_ns, res.cache_hits, res.model, res.index_version)
+    async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchResult:
+        return await self._client.search([text], k=k, mode=mode, timeout_s=timeout_s)
 
 
 class ServiceSearch:
@@ -93,9 +67,11 @@ class ServiceSearch:
         self._service = service
         self._model = model
 
-    async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchOutcome:
+    async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchResult:
         res = await self._service.search([text], k=k, mode=mode, model=self._model,
                                          deadline=time.monotonic() + timeout_s)
+        # The service's hits as the gRPC front would send them, so the page sees one type either way.
+        hits = [[SearchHit(h.id, float(h.score), h.fields, h.legs) for h in hl] for hl in res.hits]
         # The reply's own id: the version that answered, also after a rollout swapped the model.
-        return _outcome(res.hits, res.timings_ns, res.cache_hits, res.model or self._service.model,
-                        res.index_version)
+        return SearchResult(hits, res.model or self._service.model, res.index_version, list(res.cache_hits),
+                            {k: int(v) for k, v in res.timings_ns.items()}, res.backend)

@@ -42,7 +42,7 @@ from fastapi.staticfiles import StaticFiles
 
 from catalog.fusion import SearchMode, parse_mode
 from demo_ui.ratecap import RateCap
-from demo_ui.search import SearchFn, aisle_agreement
+from demo_ui.search import SearchFn, aisle_agreement, hit_json
 from demo_ui.settings import DemoSettings
 from demo_ui.slot import LatestSlot
 from inference.errors import EmbedcarError, Internal, InvalidInput, Overloaded, Unauthenticated
@@ -213,9 +213,10 @@ class Connection:
             return {"model": "", "results": [], "timings_ns": {}, "cache_hit": False,
                     "server_ms": (time.perf_counter_ns() - key.received_ns) / 1e6, "aisles": None}
         out = await search(key.text, k=key.k, timeout_s=self.settings.search_timeout_s, mode=key.mode)
-        return {"model": out.model, "results": [p.to_json() for p in out.products], "timings_ns": out.timings_ns,
-                "cache_hit": out.cache_hit, "server_ms": (time.perf_counter_ns() - key.received_ns) / 1e6,
-                "aisles": aisle_agreement(out.products)}
+        hits = out.hits[0] if out.hits else []  # one text searched
+        return {"model": out.model, "results": [hit_json(h) for h in hits], "timings_ns": out.timings_ns,
+                "cache_hit": bool(out.cache_hits and out.cache_hits[0]),
+                "server_ms": (time.perf_counter_ns() - key.received_ns) / 1e6, "aisles": aisle_agreement(hits)}
 
 
 def _seq_of(raw: str) -> int | None:

@@ -20,14 +20,14 @@ import numpy.typing as npt
 import pytest
 
 from catalog.fusion import SearchMode
-from demo_ui.search import Product as FoundProduct
-from demo_ui.search import SearchFn, SearchOutcome
+from demo_ui.search import SearchFn
 from demo_ui.server import build_server, create_app
 from demo_ui.settings import DemoSettings
 from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import Embedder
 from inference.tokenizer import QueryTokenizer
+from sidecar.results import SearchHit, SearchResult
 
 if TYPE_CHECKING:
     from catalog.sources import Product
@@ -67,7 +67,7 @@ class InProcessSearch:
     modes: list[SearchMode] = field(default_factory=list)
 
     async def __call__(self, text: str, *, k: int, timeout_s: float,
-                       mode: SearchMode = SearchMode.SEMANTIC) -> SearchOutcome:
+                       mode: SearchMode = SearchMode.SEMANTIC) -> SearchResult:
         self.calls += 1
         self.modes.append(mode)  # searched semantically whatever the mode: the page logic is under test
         emb = await self.embedder.embed([text])
@@ -75,13 +75,10 @@ class InProcessSearch:
         scores = self.vectors @ emb.embeddings[0]
         top = np.argsort(-scores)[:k]
         t1 = time.perf_counter_ns()
-        found = [FoundProduct(title=self.products[i]["title"], aisle=self.products[i].get("aisle", ""),
-                         department=self.products[i].get("department", ""), score=float(scores[i]),
-                         legs=("semantic",))
-                 for i in top]
+        found = [SearchHit(str(i), float(scores[i]), self.products[i], ("semantic",)) for i in top]
         timings = {"tokenize": emb.timings_ns["tokenize"], "inference": emb.timings_ns["inference"],
                    "search": t1 - t0, "cache": 0, "queue": 0}
-        return SearchOutcome(products=found, timings_ns=timings, model="in-process")
+        return SearchResult([found], "in-process", "", [False], timings)
 
 
 @dataclass
@@ -93,7 +90,7 @@ class GatedSearch:
     entered: asyncio.Event
     texts: list[str]
 
-    async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchOutcome:
+    async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchResult:
         self.texts.append(text)
         self.entered.set()
         await self.gate.wait()
@@ -186,7 +183,7 @@ def sidecar_search_fn(target: str) -> SearchFn:
         def __init__(self) -> None:
             self.inner: SidecarSearch | None = None
 
-        async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchOutcome:
+        async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchResult:
             if self.inner is None:
                 client = AsyncClient(target)
                 await client.__aenter__()

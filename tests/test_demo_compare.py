@@ -23,13 +23,14 @@ import pytest
 from websockets.asyncio.client import connect
 
 from catalog.fusion import SearchMode
-from demo_ui.search import Product, SearchOutcome, aisle_agreement
+from demo_ui.search import aisle_agreement
 from demo_ui.server import build_server, create_app
 from demo_ui.settings import DemoSettings
 from demo_ui.stack import Prepared, prepare, serve
 from embedcar_settings import Settings
 from inference.errors import FailedPrecondition, ModelError, Unavailable
 from inference.prepare import prepare_model
+from sidecar.results import SearchHit, SearchResult
 from tests.fixtures_demo import build_small_index, grocery_sample
 from tests.fixtures_models import tiny_st_folder
 
@@ -150,12 +151,12 @@ async def test_one_columns_error_is_the_keystrokes_error() -> None:
         def __init__(self, model: str, aisle: str) -> None:
             self.model, self.aisle = model, aisle
 
-        async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchOutcome:
+        async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchResult:
             if text == "down" and self.model == "b":
                 raise Unavailable("model b is down")
-            found = [Product(title=f"{text} {i}", aisle=self.aisle, department="d", score=1.0 - i / 10)
+            found = [SearchHit(str(i), 1.0 - i / 10, {"title": f"{text} {i}", "aisle": self.aisle, "department": "d"})
                      for i in range(k)]
-            return SearchOutcome(products=found, timings_ns={"inference": 1000}, model=self.model)
+            return SearchResult([found], self.model, "", [False], {"inference": 1000})
 
     demo = DemoSettings()
     server = build_server(create_app(demo, Fixed("a", "tea"), compare=Fixed("b", "")), demo, port=0)
@@ -179,8 +180,8 @@ async def test_one_columns_error_is_the_keystrokes_error() -> None:
 
 
 def test_aisle_agreement_counts_the_top_three_majority() -> None:
-    def col(*aisles: str) -> list[Product]:
-        return [Product(title=str(i), aisle=a, department="", score=0.0) for i, a in enumerate(aisles)]
+    def col(*aisles: str) -> list[SearchHit]:
+        return [SearchHit(str(i), 0.0, {"title": str(i), "aisle": a}) for i, a in enumerate(aisles)]
 
     assert aisle_agreement(col("yogurt", "milk", "yogurt", "yogurt", "tea")) == {"aisle": "yogurt", "count": 3, "of": 5}
     # No majority among the top 3: the best-ranked result's aisle.

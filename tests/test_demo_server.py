@@ -16,10 +16,10 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from catalog.fusion import SearchMode
-from demo_ui.search import SearchOutcome
 from demo_ui.server import parse_message
 from demo_ui.settings import DemoSettings
 from inference.errors import InvalidInput, Unavailable
+from sidecar.results import SearchResult
 from tests.fixtures_demo import GatedSearch, InProcessSearch, inprocess_search, running_demo
 
 __all__ = ["inprocess_search"]  # fixture imported for pytest
@@ -176,7 +176,7 @@ async def test_search_errors_become_error_messages(inprocess_search: InProcessSe
     class DownSearch:
         """The sidecar being unreachable, as SidecarSearch reports it."""
 
-        async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchOutcome:
+        async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchResult:
             if text == "down":
                 raise Unavailable("sidecar unreachable")
             if text == "bug":
