@@ -20,16 +20,24 @@ PROJECT = ("inference", "catalog", "sidecar", "demo_ui", "loadtest", "embedcar_s
 MAX_MODULES = 12
 SERVER = ("sidecar.grpc_server", "sidecar.native_front", "sidecar.pipeline", "sidecar.batcher", "sidecar.service",
           "sidecar.app", "sidecar.timings", "inference.backends", "catalog")
+# grpc imports grpc_tools, grpc_health and grpc_reflection where they are installed (its optional
+# `grpc.tools`, `grpc.health` aliases); typing_extensions is grpcio's; cython_runtime is built in.
+THIRD_PARTY = {"grpc", "google", "numpy", "typing_extensions", "grpc_tools", "grpc_health", "grpc_reflection",
+               "cython_runtime"}
 
 
 def test_importing_the_client_loads_no_server_module() -> None:
-    code = ("import json, sys; import sidecar.client; "
-            f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {PROJECT!r})))")
+    code = "import json, sys; import sidecar.client; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
-    loaded = json.loads(out.stdout)
+    modules: list[str] = json.loads(out.stdout)
+    loaded = [m for m in modules if m.split(".")[0] in PROJECT]
     assert len(loaded) <= MAX_MODULES, loaded
     server = [m for m in loaded if any(m == s or m.startswith(s + ".") for s in SERVER)]
     assert not server, server
+    # Third-party: grpcio, protobuf and numpy, what docs/sidecar.md tells a search node to install.
+    tops = {m.split(".")[0] for m in modules} - set(sys.stdlib_module_names) - set(PROJECT)
+    assert {t for t in tops if not t.startswith("_")} <= THIRD_PARTY, tops
+    assert all(m.startswith(("google.protobuf", "google._upb")) for m in modules if m.startswith("google.")), modules
 
 
 def test_its_names_match_the_servers() -> None:
