@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	@# setuptools' notice on every editable install (our packages sit at the top level) says nothing
 	@# a newcomer can act on: that one message only is silenced.
-	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -c constraints.txt -e '.[export,tune,dev,ray]'
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -c constraints.txt -e '.[export,tune,dev,ray,tools]'
 	$(BIN)/pip install -q --no-deps $(PYTRITON)
 	touch $@
 

@@ -41,9 +41,22 @@ def register_entry_points(sub: Any, group: str) -> None:
         register(sub)
 
 
+# Libraries only the load-test and benchmark tools import: pyproject's `tools` extra, not the service's
+# dependencies (the image and a plain `pip install embedcar` leave them out).
+TOOLS_EXTRA = ("matplotlib", "aiohttp", "httpx")
+
+
+def missing_extra(exc: BaseException) -> str | None:
+    """The one-line fix where `exc` is a tools-only library that is not installed, else None."""
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").partition(".")[0] in TOOLS_EXTRA:
+        return (f"{exc.name} is not installed: the load-test and benchmark tools need the `tools` extra "
+                "(pip install 'embedcar[tools]'; `make install` includes it)")
+    return None
+
+
 def _unavailable(name: str, exc: ImportError) -> Callable[[argparse.Namespace], int]:
     def run(_args: argparse.Namespace) -> int:
-        raise ModelError(f"`embedcar {name}` cannot load: {exc}")
+        raise ModelError(f"`embedcar {name}` cannot load: {missing_extra(exc) or exc}")
 
     return run
 
@@ -112,6 +125,9 @@ def report(exc: Exception, *, verbose: bool) -> int:
         traceback.print_exception(exc)
     if isinstance(leaf, EmbedcarError):
         print(f"embedcar: {_one_line(leaf.message)}", file=sys.stderr)
+        return 2
+    if fix := missing_extra(leaf):
+        print(f"embedcar: {fix}", file=sys.stderr)
         return 2
     if isinstance(leaf, OSError):
         where = f": {leaf.filename}" if leaf.filename else ""

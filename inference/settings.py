@@ -136,43 +136,39 @@ class ModelSettings:
         0, "Embedded backend: intra-op threads (ONNX Runtime, OpenVINO for bf16). 0 = chosen: on the query "
         "path (sidecar, one lane) a typical query is timed at load on 1 thread and on every core, and every "
         "core is kept only if it is 25 % faster (the search node beside it keeps the rest); batch work "
-        "(the catalog job) uses every core.", flag="threads", min=0, max=1024)
+        "(the catalog job) uses every core.", flag="threads", min=0, max=1024, advanced=True)
     forward_lanes: int = setting(
         1, "Embedded backend: forward passes that may run at once, each on intra_op_threads / lanes ORT "
         "threads. 1: every core on each query (lowest latency at light load); more: more queries per "
         "second once a queue forms, each query a little slower (docs/benchmarks.md, 'Levers').", flag="lanes",
-        min=1, max=256)
+        min=1, max=256, advanced=True)
     ort_spinning: bool = setting(
         False, "Embedded backend (in-process ORT): let its threads spin between calls. Off (default): "
         "a query costs about the model's own CPU; on: up to ~0.5 ms less latency per call on an "
         "otherwise idle host, for 2-3x the CPU per query, taken from the search node beside the sidecar "
-        "(docs/benchmarks.md, ORT's threads). The ORT inside Triton's CPU encoder has its own: "
-        "triton.ort_spinning."
-    )
+        "(docs/benchmarks.md, ORT's threads). The ORT inside Triton's CPU encoder never spins "
+        "(inference/triton/repository.py).", advanced=True)
     ort_spin_us: int = setting(
         0, "Embedded backend, with ort_spinning: how long an idle ORT thread spins before it sleeps "
         "(session.intra_op.spin_duration_us); 0 = ORT's own default, which at 100 requests/s keeps "
-        "one thread spinning from each call to the next.", min=0
-    )
+        "one thread spinning from each call to the next.", min=0, advanced=True)
     pad_multiple: int = setting(
         1, "Embedded backend: pad each forward pass only to its longest sequence, rounded up to a "
         "multiple of this (1 = exact); 0 = to the length bucket's ceiling, as Triton needs. Padding "
-        "one short query to its bucket costs 25-35 % of a CPU forward pass; the embeddings are the same.", min=0
-    )
+        "one short query to its bucket costs 25-35 % of a CPU forward pass; the embeddings are the same.",
+        min=0, advanced=True)
     small_pass_tokens: int = setting(
         0, "Embedded backend: forward passes of at most this many tokens (rows x padded length) run "
         "on a second ORT session of one thread without spinning (less CPU per query, a little more "
-        "latency); 0 = off, every pass on intra_op_threads.", min=0
-    )
+        "latency); 0 = off, every pass on intra_op_threads.", min=0, advanced=True)
     max_texts_per_call: int = setting(
         256, "Most texts one embedding call may carry: a sidecar request or `embedcar embed` (more: "
         "INVALID_ARGUMENT), and a backend call unless its caller sets a cap. Not the forward-pass size: "
-        "that is sidecar.max_rows_per_pass (and Triton's own triton.max_batch_size).", min=1
-    )
+        "that is sidecar.max_rows_per_pass (and Triton's own triton.max_batch_size).", min=1, advanced=True)
     truncate_text_chars: int = setting(
         20_000, "Texts longer than this are cut before tokenizing (bounds tokenizer work; the model cuts "
-        "at its token limit anyway). The sidecar rejects long texts first: sidecar.max_text_chars.", min=1
-    )
+        "at its token limit anyway). The sidecar rejects long texts first: sidecar.max_text_chars.",
+        min=1, advanced=True)
 
     @property
     def model_dir(self) -> Path:
@@ -197,40 +193,27 @@ class TritonSettings:
     urls: tuple[str, ...] = setting(
         ("127.0.0.1:8001",), "Triton gRPC addresses the client spreads requests over.", flag="triton-url"
     )
-    repo_dir: Path = setting(Path("var/triton/repo"), "Generated model repository.", flag="out", home=True)
+    repo_dir: Path = setting(Path("var/triton/repo"), "Generated model repository.", flag="out",
+                             home=True, advanced=True)
     target: str = setting("cpu", "Model repository target: cpu (ORT in Python backend) or gpu.",
                           choices=("cpu", "gpu"))
     max_queue_delay_us: int = setting(
-        0, "Dynamic batching wait; paid in full at low traffic. 0 = batch only what is already queued.", min=0
-    )
-    preferred_batch_sizes: tuple[int, ...] = setting((4, 8, 16, 32), "Preferred dynamic batch sizes.", min=1)
-    cpu_instances: int = setting(0, "Encoder instances on CPU; 0 = one per two cores (at least 1).",
-                                 flag="instances", min=0)
-    gpu_instances: int = setting(4, "Encoder instances per GPU (parallel CUDA streams).", min=1)
-    cpu_pooling: str = setting(
-        "fused", "CPU target: pool inside the encoder's stub (fused: one Python hop) or as its own step."
-    )
+        0, "Dynamic batching wait; paid in full at low traffic. 0 = batch only what is already queued.",
+        min=0, advanced=True)
+    instances: int = setting(
+        0, "Encoder instances: on CPU, 0 = one per two cores (at least 1); on GPU, per GPU (parallel CUDA "
+        "streams), 0 = 4.", min=0, advanced=True)
     max_batch_size: int = setting(
         256, "max_batch_size in the generated models' config.pbtxt: the most rows Triton batches into one "
-        "execution (and accepts in one request).", min=1
-    )
-    timeout_ms: int = setting(2000, "gRPC deadline and Triton server-side timeout per request.", min=1)
-    engine_cache_dir: Path = setting(Path("var/trt-engines"), "Cache of TensorRT engines.", home=True)
+        "execution (and accepts in one request).", min=1, advanced=True)
+    timeout_ms: int = setting(2000, "gRPC deadline and Triton server-side timeout per request.", min=1, advanced=True)
+    engine_cache_dir: Path = setting(Path("var/trt-engines"), "Cache of TensorRT engines.", home=True, advanced=True)
     backend_dir: Path = setting(Path("var/triton/backends"), "Assembled backend directory (Python backend + stub).",
-                                home=True)
-    ort_threads: int = setting(0, "ORT intra-op threads per CPU encoder instance; 0 = cores / instances.", min=0)
-    ort_spinning: bool = setting(
-        False, "CPU target: let the ORT threads inside the Python-backend encoder spin between ops (off: "
-        "shared cores stay free). The embedded backend has its own: model.ort_spinning."
-    )
-    ort_spin_us: int = setting(
-        0, "CPU target, with ort_spinning: how long an idle encoder ORT thread spins before it sleeps "
-        "(session.intra_op.spin_duration_us); 0 = ORT's own default.", min=0
-    )
-    shm_default_mb: int = setting(16, "Python backend shared-memory region per stub at start (MiB).", min=1)
-    shm_growth_mb: int = setting(64, "Python backend shared-memory growth step (MiB).", min=1)
-    startup_timeout_s: float = setting(120.0, "Longest wait for tritonserver to become ready.", min=1)
-    probe_interval_s: float = setting(0.5, "Client: how often each Triton URL is probed for readiness.", min=0.01)
+                                home=True, advanced=True)
+    ort_threads: int = setting(0, "ORT intra-op threads per CPU encoder instance; 0 = cores / instances.",
+                               min=0, advanced=True)
+    probe_interval_s: float = setting(0.5, "Client: how often each Triton URL is probed for readiness.",
+                                      min=0.01, advanced=True)
     # --- a Triton pool reached from other machines (docs/scale.md "Securing the pool") -----------
     profile: str = setting(
         "local", "local: plaintext, every API open (one host, loopback: make demo, tests). hardened: the "
@@ -259,7 +242,7 @@ class TritonSettings:
         "unset on a client = it does not send one (the load test's statistics need it).")
     metrics_host: str = setting(
         "", "Address Triton's Prometheus metrics bind to; empty = host in the local profile, 127.0.0.1 in "
-        "the hardened one (set it to the monitoring interface).")
+        "the hardened one (set it to the monitoring interface).", advanced=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,37 +21,58 @@ HEADER = """\
 Every setting, one table per section, generated from the settings classes by
 `embedcar docs reference` (do not edit by hand; a test fails when this page and the code disagree).
 
+{count}
+
 A setting is read from its environment variable, `EMBEDCAR_<SECTION>_<FIELD>`; a command's flag
 (`embedcar <command> --help`) overrides it. Lists are comma-separated; booleans take
 `1/true/yes/on` or `0/false/no/off`; an empty value leaves an optional path unset.
 """
 
+_COLUMNS = ["| Variable | Type | Default | Description |", "|---|---|---|---|"]
+
 
 def settings_page(settings_cls: type[Any]) -> str:
     """Markdown: the header, then one table per section of `settings_cls`, in declaration order."""
-    parts = [HEADER]
     hints = typing.get_type_hints(settings_cls)
-    for sec in dataclasses.fields(settings_cls):
-        parts.append(section_table(sec.name, hints[sec.name]))
-    return "\n".join(parts)
+    sections = [(sec.name, hints[sec.name]) for sec in dataclasses.fields(settings_cls)]
+    fields = [f for _, cls in sections for f in dataclasses.fields(cls)]
+    operator = sum(not is_advanced(f) for f in fields)
+    count = (f"{len(fields)} settings. An operator reads the {operator} in each section's first table: where "
+             "the models, the index and the Triton pool are, ports, TLS and keys. The other "
+             f"{len(fields) - operator}, in each section's *advanced* table, are limits and tuning whose defaults "
+             "were measured (docs/benchmarks.md): a deployment needs no change there.")
+    return "\n".join([HEADER.format(count=count), *(section_table(name, cls) for name, cls in sections)])
+
+
+def is_advanced(f: dataclasses.Field[Any]) -> bool:
+    return bool(f.metadata.get("advanced"))
 
 
 def section_table(section: str, cls: type[Any]) -> str:
+    """The section's operator settings, then its advanced ones in a table of their own."""
     source = Path(inspect.getfile(cls))
-    lines = [f"## {section}", "",
-             f"`{cls.__name__}` in `{source.parent.name}/{source.name}`.", "",
-             "| Variable | Type | Default | Description |", "|---|---|---|---|"]
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        doc = field_doc(f)
-        choices = f.metadata.get("choices")
-        if choices:
-            doc += f" One of: {', '.join(choices)}."
-        if bounds := range_text(f):
-            doc += f" Range: {bounds}."
-        cells = (f"`{env_name(section, f.name)}`", type_name(hints[f.name]), default_text(f), doc)
-        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    fields = dataclasses.fields(cls)
+    lines = [f"## {section}", "", f"`{cls.__name__}` in `{source.parent.name}/{source.name}`.", ""]
+    operator = [f for f in fields if not is_advanced(f)]
+    advanced = [f for f in fields if is_advanced(f)]
+    if operator:
+        lines += [*_COLUMNS, *(_row(section, f, hints[f.name]) for f in operator)]
+    if advanced:
+        if operator:
+            lines.append("")
+        lines += [f"### {section}: advanced", "", *_COLUMNS, *(_row(section, f, hints[f.name]) for f in advanced)]
     return "\n".join(lines) + "\n"
+
+
+def _row(section: str, f: dataclasses.Field[Any], tp: Any) -> str:
+    doc = field_doc(f)
+    if choices := f.metadata.get("choices"):
+        doc += f" One of: {', '.join(choices)}."
+    if bounds := range_text(f):
+        doc += f" Range: {bounds}."
+    cells = (f"`{env_name(section, f.name)}`", type_name(tp), default_text(f), doc)
+    return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 
 def field_doc(f: dataclasses.Field[Any]) -> str:

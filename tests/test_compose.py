@@ -219,3 +219,36 @@ def test_entrypoint_script_is_stdlib_only() -> None:
     out = subprocess.run([sys.executable, "-I", "-S", str(script), "--help"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "--cache-dir" in out.stdout
+
+
+def _dockerfile_runs() -> list[str]:
+    """The Dockerfile's RUN instructions, continuation lines joined."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    return [line[4:] for line in text.splitlines() if line.startswith("RUN ")]
+
+
+def test_image_builds_the_compiled_front_or_fails() -> None:
+    """The sidecar's default gRPC server is the compiled front (built against g++ and libgrpc++): the
+    image installs both and builds it at image build time, exiting non-zero where it cannot, rather than
+    shipping an image whose sidecar falls back to grpc.aio."""
+    runs = _dockerfile_runs()
+    install = next(r for r in runs if "apt-get install" in r)
+    assert {"g++", "libgrpc++-dev"} <= set(install.split())
+    pip = next(i for i, r in enumerate(runs) if "pip install" in r)
+    build = next(i for i, r in enumerate(runs) if "unavailable_reason()" in r)
+    assert build > pip and "sys.exit(" in runs[build], "built from the installed package, failing the build"
+    assert "sidecar.native_front import unavailable_reason" in runs[build]
+    # The installed package carries the C++ it builds (pyproject's package data).
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^"\*" = \[.*"\*\.cc"', pyproject, re.MULTILINE)
+
+
+def test_image_holds_the_top_level_modules() -> None:
+    """embedcar_settings.py and embedcar_docs.py (pyproject's py-modules) reach the image: copied with
+    the context, not excluded by .dockerignore."""
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^COPY \. \.$", text, re.MULTILINE)
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for module in ("embedcar_settings.py", "embedcar_docs.py"):
+        assert (ROOT / module).is_file() and not any(Path(module).match(p) for p in ignored)
+    assert 'py-modules = ["embedcar_settings", "embedcar_docs"]' in (ROOT / "pyproject.toml").read_text()

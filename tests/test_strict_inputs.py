@@ -64,8 +64,8 @@ def test_every_numeric_setting_has_a_range_holding_its_default() -> None:
     ({}, {"model": {"intra_op_threads": -1}}, "--threads: -1 is out of range: 0 to 1024"),
     ({"EMBEDCAR_MODEL_FORWARD_LANES": "0"}, None, "EMBEDCAR_MODEL_FORWARD_LANES: 0 is out of range: 1 to 256"),
     ({"EMBEDCAR_SIDECAR_RATE_PER_S": "nan"}, None, "EMBEDCAR_SIDECAR_RATE_PER_S: nan is out of range: at least 0"),
-    ({"EMBEDCAR_TRITON_PREFERRED_BATCH_SIZES": "4,0"}, None, "0 is out of range: at least 1"),
-    ({"EMBEDCAR_CATALOG_ANN_RECALL_TARGET": "1.5"}, None, "1.5 is out of range: 0 to 1"),
+    ({"EMBEDCAR_TRITON_INSTANCES": "-2"}, None, "EMBEDCAR_TRITON_INSTANCES: -2 is out of range: at least 0"),
+    ({"EMBEDCAR_CATALOG_MAX_BAD_SHARE": "1.5"}, None, "1.5 is out of range: 0 to 1"),
     ({"EMBEDCAR_SIDECAR_GRPC_PORT": "50o51"}, None,
      "EMBEDCAR_SIDECAR_GRPC_PORT: cannot read '50o51' as a whole number"),
 ])

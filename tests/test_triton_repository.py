@@ -16,7 +16,9 @@ from inference.triton.names import served_names
 from inference.triton.repository import (
     ENCODER,
     ENGINES_FILE,
+    GPU_INSTANCES,
     POOLING,
+    PREFERRED_BATCH_SIZES,
     VARIANT_ID_PARAM,
     RepoModel,
     cpu_sizing,
@@ -44,8 +46,7 @@ def _configs(repo: Path) -> dict[str, mc.ModelConfig]:
 def test_cpu_repository_pools_inside_the_encoder(settings: Settings, manifest: Manifest, model_dir: Path,
                                                  tmp_path: Path) -> None:
     # Default CPU layout: one Python hop. The encoder emits the embedding; the ensemble has one step.
-    generate_repository(settings.with_section("triton", cpu_pooling="step"), manifest, model_dir,
-                        out_dir=tmp_path, target="cpu")
+    generate_repository(settings, manifest, model_dir, out_dir=tmp_path, target="cpu", pooling_step=True)
     repo = generate_repository(settings, manifest, model_dir, out_dir=tmp_path, target="cpu", variant="int8")
     cfg = _configs(repo)
     assert set(cfg) == {ENCODER, ENSEMBLE}
@@ -67,16 +68,9 @@ def test_cpu_repository_pools_inside_the_encoder(settings: Settings, manifest: M
     assert [o.name for o in cfg[ENSEMBLE].output] == ["embedding"]
 
 
-def test_unknown_cpu_pooling_is_invalid(settings: Settings, manifest: Manifest, model_dir: Path,
-                                        tmp_path: Path) -> None:
-    with pytest.raises(InvalidInput, match="cpu_pooling"):
-        generate_repository(settings.with_section("triton", cpu_pooling="graph"), manifest, model_dir,
-                            out_dir=tmp_path, target="cpu")
-
-
 def test_cpu_repository_two_steps(settings: Settings, manifest: Manifest, model_dir: Path, tmp_path: Path) -> None:
-    settings = settings.with_section("triton", cpu_pooling="step")
-    repo = generate_repository(settings, manifest, model_dir, out_dir=tmp_path, target="cpu", variant="int8")
+    repo = generate_repository(settings, manifest, model_dir, out_dir=tmp_path, target="cpu", variant="int8",
+                               pooling_step=True)
     cfg = _configs(repo)
     enc = cfg[ENCODER]
     assert enc.backend == "python" and enc.platform == ""
@@ -89,7 +83,7 @@ def test_cpu_repository_two_steps(settings: Settings, manifest: Manifest, model_
                                                                                   sizing.ort_threads)
     assert Path(enc.parameters["onnx_path"].string_value) == (model_dir / manifest.variants["int8"].file).resolve()
     assert enc.dynamic_batching.max_queue_delay_microseconds == settings.triton.max_queue_delay_us
-    assert list(enc.dynamic_batching.preferred_batch_size) == sorted(settings.triton.preferred_batch_sizes)
+    assert list(enc.dynamic_batching.preferred_batch_size) == list(PREFERRED_BATCH_SIZES)
     assert (repo / _dirs(repo)[ENCODER] / "1" / "model.py").exists()
     assert (repo / _dirs(repo)[POOLING] / "1" / "model.py").exists()
     sys_path = enc.parameters["sys_path"].string_value.split(":")
@@ -128,7 +122,7 @@ def test_gpu_repository(settings: Settings, manifest: Manifest, model_dir: Path,
     assert enc.default_model_filename == "model.plan"
     assert enc.max_batch_size == settings.triton.max_batch_size
     (group,) = enc.instance_group
-    assert group.kind == mc.ModelInstanceGroup.KIND_GPU and group.count == settings.triton.gpu_instances
+    assert group.kind == mc.ModelInstanceGroup.KIND_GPU and group.count == GPU_INSTANCES
     assert enc.dynamic_batching.max_queue_delay_microseconds == settings.triton.max_queue_delay_us
     assert not (repo / _dirs(repo)[ENCODER] / "1" / "model.py").exists(), "a CPU leftover would confuse Triton"
     assert cfg[POOLING].parameters["sys_path"].string_value == "/opt/embedcar"
@@ -154,18 +148,16 @@ def test_excluding_special_pooling_wires_input_ids(settings: Settings, manifest:
 
 def test_settings_drive_batching_and_instances(settings: Settings, manifest: Manifest, model_dir: Path,
                                                tmp_path: Path) -> None:
-    s = settings.with_section("triton", max_queue_delay_us=250, preferred_batch_sizes=(64, 2, 512),
-                              cpu_instances=3, ort_threads=1, max_batch_size=128, ort_spinning=True, ort_spin_us=2000)
+    s = settings.with_section("triton", max_queue_delay_us=250, instances=3, ort_threads=1, max_batch_size=16)
     enc = _configs(generate_repository(s, manifest, model_dir, out_dir=tmp_path, target="cpu"))[ENCODER]
     assert enc.dynamic_batching.max_queue_delay_microseconds == 250
-    assert list(enc.dynamic_batching.preferred_batch_size) == [2, 64]  # 512 > max_batch_size dropped
+    assert list(enc.dynamic_batching.preferred_batch_size) == [4, 8, 16]  # 32 > max_batch_size dropped
     assert enc.instance_group[0].count == 3 and enc.parameters["intra_op_threads"].string_value == "1"
-    assert enc.max_batch_size == 128
-    assert enc.parameters["allow_spinning"].string_value == "1"
-    assert enc.parameters["spin_duration_us"].string_value == "2000"
-    gpu = _configs(generate_repository(s.with_section("triton", gpu_instances=2), manifest, model_dir,
+    assert enc.max_batch_size == 16
+    assert enc.parameters["allow_spinning"].string_value == "0"  # spinning lost on a shared host: fixed off
+    gpu = _configs(generate_repository(s.with_section("triton", instances=2), manifest, model_dir,
                                        out_dir=tmp_path, target="gpu"))[ENCODER]
-    assert gpu.instance_group[0].count == 2 and gpu.max_batch_size == 128
+    assert gpu.instance_group[0].count == 2 and gpu.max_batch_size == 16
     assert gpu.dynamic_batching.max_queue_delay_microseconds == 250
 
 
@@ -214,9 +206,9 @@ def test_names_follow_the_model_and_its_variant(manifest: Manifest) -> None:
 
 def test_one_repository_holds_two_versions_and_drops_the_ones_not_asked_for(
         settings: Settings, manifest: Manifest, model_dir: Path, tmp_path: Path) -> None:
-    s = settings.with_section("triton", cpu_pooling="step")
+    s = settings
     old, new = RepoModel(manifest, model_dir, "int8"), RepoModel(_other_version(manifest), model_dir, "int8")
-    repo = generate_models(s, [old, new], out_dir=tmp_path, target="cpu")
+    repo = generate_models(s, [old, new], out_dir=tmp_path, target="cpu", pooling_step=True)
     for m in (old, new):
         ens = load_config(repo / m.names.ensemble / "config.pbtxt")
         assert [st.model_name for st in ens.ensemble_scheduling.step] == [m.names.encoder, m.names.pooling]
@@ -224,7 +216,7 @@ def test_one_repository_holds_two_versions_and_drops_the_ones_not_asked_for(
     assert repository_target(repo) == ("cpu", (old.names.variant_id, new.names.variant_id))
     (repo / "mine").mkdir()
     (repo / "mine" / "config.pbtxt").write_text('name: "mine"\n')  # not generated: never removed
-    generate_models(s, [new], out_dir=tmp_path, target="cpu")
+    generate_models(s, [new], out_dir=tmp_path, target="cpu", pooling_step=True)
     assert {d.name for d in repo.iterdir() if d.is_dir()} == {new.names.ensemble, new.names.encoder,
                                                               new.names.pooling, "mine"}
     with pytest.raises(InvalidInput, match="named twice"):

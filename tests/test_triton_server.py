@@ -385,8 +385,8 @@ def own_server(settings: Settings, model_dir: Path, tmp_path_factory: pytest.Tem
     require_triton()
     # int8 and the two-step layout (pooling as its own model, as on the GPU target) here, so the
     # selectable variant and layout are covered without a third server.
-    s = triton_settings(settings, tmp_path_factory.mktemp("triton-faults")).with_section("triton", cpu_pooling="step")
-    server = TritonServer(s, variant="int8")
+    s = triton_settings(settings, tmp_path_factory.mktemp("triton-faults"))
+    server = TritonServer(s, variant="int8", pooling_step=True)
     server.start()
     yield server
     server.stop()

@@ -36,7 +36,7 @@ def register(sub: Any) -> None:
                            "its ensemble embedder.<model>.<hash>")
     common(repo)
     served(repo)
-    add_flags(repo, "triton", TritonSettings, "target", "repo_dir", "max_queue_delay_us", "cpu_instances")
+    add_flags(repo, "triton", TritonSettings, "target", "repo_dir", "max_queue_delay_us", "instances")
     repo.add_argument("--project-root", type=Path, default=None,
                       help="where the project lives for the backend stub, e.g. /opt/embedcar in the container")
     repo.set_defaults(func=_repo)
@@ -45,7 +45,7 @@ def register(sub: Any) -> None:
     common(serve)
     served(serve)
     add_flags(serve, "triton", TritonSettings, "grpc_port", "http_port", "metrics_port", "max_queue_delay_us",
-              "cpu_instances", "host", "metrics_host", "profile", "tls_ca_file", "tls_server_cert_file",
+              "instances", "host", "metrics_host", "profile", "tls_ca_file", "tls_server_cert_file",
               "tls_server_key_file", "tls_mutual", "client_key_file", "operator_key_file")
     serve.set_defaults(func=_serve)
 

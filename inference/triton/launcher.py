@@ -183,6 +183,11 @@ class BindFailure(Unavailable):
 
 
 PORT_KINDS = ("grpc", "http", "metrics")
+# The Python backend's shared memory per stub: a 16 MiB region at start, grown 64 MiB at a time (a
+# 256 x 512-token batch of hidden states is ~200 MB; docker-compose.yml sizes /dev/shm for it).
+SHM_DEFAULT_BYTES = 16 * 2**20
+SHM_GROWTH_BYTES = 64 * 2**20
+STARTUP_TIMEOUT_S = 120.0  # longest wait for tritonserver to load the models and answer ready
 _KIND_NAMES = {"grpc": "gRPC", "http": "HTTP", "metrics": "metrics"}
 _LOG_KINDS = {"GRPC": "grpc", "HTTP": "http", "METRICS": "metrics"}
 _FAILED_SERVICE = re.compile(r"failed to start (\w+) service", re.IGNORECASE)
@@ -218,8 +223,9 @@ class TritonServer:
 
     def __init__(self, settings: Settings, *, variant: str | None = None, models: Sequence[str] = (),
                  grpc_port: int | None = None, http_port: int | None = None, metrics_port: int | None = None,
-                 log_file: Path | None = None, extra_args: Sequence[str] = ()) -> None:
+                 log_file: Path | None = None, extra_args: Sequence[str] = (), pooling_step: bool = False) -> None:
         self.settings = settings
+        self.pooling_step = pooling_step  # the GPU target's two-step layout on CPU (repository.generate_models)
         self.extra_args = list(extra_args)  # more tritonserver flags, e.g. tracing for a benchmark
         self.variant = variant or settings.model.variant  # "" = each model's own default
         self.model_names = tuple(models) or (settings.model.name,)
@@ -345,7 +351,6 @@ class TritonServer:
         t = self.settings.triton
         root = pytriton_root()
         assert root is not None and self.repo is not None
-        mib = 1024 * 1024
         return [
             str(root / "bin" / "tritonserver"),
             f"--model-repository={self.repo}",
@@ -353,8 +358,8 @@ class TritonServer:
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--http-address={self.http_host}", f"--http-port={self.http_port}",
             f"--metrics-address={self.metrics_host}", f"--metrics-port={self.metrics_port}",
-            f"--backend-config=python,shm-default-byte-size={t.shm_default_mb * mib}",
-            f"--backend-config=python,shm-growth-byte-size={t.shm_growth_mb * mib}",
+            f"--backend-config=python,shm-default-byte-size={SHM_DEFAULT_BYTES}",
+            f"--backend-config=python,shm-growth-byte-size={SHM_GROWTH_BYTES}",
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
             "--strict-readiness=true", "--exit-timeout-secs=5", "--log-verbose=0",
             *(self._flags.args if self._flags else ()),  # holds the keys: never logged
@@ -384,7 +389,7 @@ class TritonServer:
         # from one checkout without removing each other's models.
         repo_dir = self.settings.triton.repo_dir
         key = hashlib.sha256(" ".join(self.ensembles).encode()).hexdigest()[:10]
-        self.repo = generate_models(self.settings, self.served, target="cpu",
+        self.repo = generate_models(self.settings, self.served, target="cpu", pooling_step=self.pooling_step,
                                     out_dir=repo_dir.with_name(f"{repo_dir.name}-cpu-{key}"))
         auto = [k for k in self._port_kinds() if k not in self.given_ports]
         attempts = max(1, self.start_attempts) if auto else 1
@@ -396,7 +401,7 @@ class TritonServer:
                     setattr(self, f"{kind}_port", port)
             try:
                 self._launch()
-                self._wait_ready(self.settings.triton.startup_timeout_s)
+                self._wait_ready(STARTUP_TIMEOUT_S)
                 self.warm_up()
                 if not self.running():
                     raise Unavailable(f"tritonserver exited after warm-up; last log lines:\n{self.log_tail()}")

@@ -11,11 +11,11 @@ file back for tests and for `embedcar triton repo --check`.
 Targets:
 - cpu: the encoder is a Python-backend model running ONNX Runtime on the manifest's variant
   (the wheel's tritonserver has no ORT or TensorRT backend), KIND_CPU instances sized to the cores.
-  By default it also pools, in the same stub (`cpu_pooling = fused`): every Python-backend step is
-  an IPC round trip to a stub process, and a separate pooling step cost ~2.5 ms for ~20 us of numpy
-  (docs/benchmarks.md). The ensemble keeps its name and interface, so clients never notice.
-  `cpu_pooling = step` keeps the two-step layout of the GPU target.
-- gpu: the encoder is a TensorRT plan (built by trt_engine.py), KIND_GPU x gpu_instances, followed by
+  It also pools, in the same stub: every Python-backend step is an IPC round trip to a stub process,
+  and a separate pooling step cost ~2.5 ms for ~20 us of numpy (docs/benchmarks.md, the fused-pooling
+  row). The ensemble keeps its name and interface, so clients never notice. `pooling_step=True` (the
+  tests, `bench triton --compare-step`) keeps the two-step layout of the GPU target on CPU.
+- gpu: the encoder is a TensorRT plan (built by trt_engine.py), KIND_GPU x triton.instances, followed by
   the Python-backend pooling step.
 """
 
@@ -41,7 +41,13 @@ from inference.settings import Settings
 from inference.triton.names import ModelNames, served_names
 
 TARGETS = ("cpu", "gpu")
-CPU_POOLING = ("fused", "step")
+# Dynamic batching's preferred sizes (those above triton.max_batch_size dropped): fixed since the first
+# Triton benchmark; the batcher takes what is queued (max_queue_delay_us 0) whatever they are.
+PREFERRED_BATCH_SIZES = (4, 8, 16, 32)
+GPU_INSTANCES = 4  # encoder instances per GPU (parallel CUDA streams) where triton.instances is 0
+# ORT threads inside the CPU encoder never spin between calls: spinning lost on a shared host
+# (docs/benchmarks.md, the ORT spinning rows); 0 = ORT's own spin time, unused without spinning.
+ENCODER_ORT_SPINNING = False
 VARIANT_ID_PARAM = "variant_id"  # the ensemble's parameter naming the model variant it serves
 # The Python-backend models' code folders (inference/triton/models/<kind>/model.py).
 ENCODER = "encoder"
@@ -73,7 +79,7 @@ def cpu_sizing(settings: Settings, cores: int | None = None) -> CpuSizing:
     """Instances x ORT threads <= cores: oversubscribed threads on shared cores lengthen the tail."""
     n = cores or available_cores()
     t = settings.triton
-    instances = t.cpu_instances if t.cpu_instances > 0 else max(1, n // 2)
+    instances = t.instances if t.instances > 0 else max(1, n // 2)
     threads = t.ort_threads if t.ort_threads > 0 else max(1, n // instances)
     return CpuSizing(instances, threads)
 
@@ -105,7 +111,7 @@ def _batching(cfg: mc.ModelConfig, settings: Settings, delay_us: int, *, queue_t
     """
     t = settings.triton
     cfg.dynamic_batching.preferred_batch_size.extend(
-        sorted(b for b in set(t.preferred_batch_sizes) if 1 < b <= t.max_batch_size))
+        sorted(b for b in set(PREFERRED_BATCH_SIZES) if 1 < b <= t.max_batch_size))
     cfg.dynamic_batching.max_queue_delay_microseconds = delay_us
     if not queue_timeouts:
         return
@@ -117,11 +123,9 @@ def _batching(cfg: mc.ModelConfig, settings: Settings, delay_us: int, *, queue_t
     policy.allow_timeout_override = True
 
 
-def pooled_in_encoder(settings: Settings, target: str) -> bool:
-    """Whether the encoder itself emits the embedding (CPU target, fused pooling)."""
-    if settings.triton.cpu_pooling not in CPU_POOLING:
-        raise InvalidInput(f"unknown cpu_pooling {settings.triton.cpu_pooling!r}; expected fused or step")
-    return target == "cpu" and settings.triton.cpu_pooling == "fused"
+def pooled_in_encoder(target: str, *, pooling_step: bool = False) -> bool:
+    """Whether the encoder itself emits the embedding (CPU target, unless the two-step layout is asked for)."""
+    return target == "cpu" and not pooling_step
 
 
 def _head_params(cfg: mc.ModelConfig, manifest: Manifest, model_dir: Path) -> None:
@@ -149,7 +153,7 @@ class RepoModel:
 
 
 def encoder_config(settings: Settings, manifest: Manifest, model_dir: Path, *, target: str,
-                   variant: str, sys_path: list[str]) -> mc.ModelConfig:
+                   variant: str, sys_path: list[str], pooling_step: bool = False) -> mc.ModelConfig:
     t = settings.triton
     cfg = mc.ModelConfig(name=served_names(manifest, variant).encoder, max_batch_size=t.max_batch_size)
     for name in manifest.inputs:
@@ -159,7 +163,7 @@ def encoder_config(settings: Settings, manifest: Manifest, model_dir: Path, *, t
     if target == "gpu":
         cfg.platform = "tensorrt_plan"
         cfg.default_model_filename = PLAN_FILE
-        cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=t.gpu_instances)
+        cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=t.instances or GPU_INSTANCES)
         return cfg
     sizing = cpu_sizing(settings)
     cfg.backend = "python"
@@ -167,10 +171,10 @@ def encoder_config(settings: Settings, manifest: Manifest, model_dir: Path, *, t
     onnx = (model_dir / manifest.variant(variant).file).resolve()
     _param(cfg, "onnx_path", onnx)
     _param(cfg, "intra_op_threads", sizing.ort_threads)
-    _param(cfg, "allow_spinning", int(t.ort_spinning))
-    _param(cfg, "spin_duration_us", t.ort_spin_us)
+    _param(cfg, "allow_spinning", int(ENCODER_ORT_SPINNING))
+    _param(cfg, "spin_duration_us", 0)
     _param(cfg, "sys_path", os.pathsep.join(sys_path))
-    if pooled_in_encoder(settings, target):
+    if pooled_in_encoder(target, pooling_step=pooling_step):
         # Both outputs stay available; the stub computes only those a request asks for.
         cfg.output.add(name=OUTPUT, data_type=mc.TYPE_FP32, dims=[manifest.dim])
         _head_params(cfg, manifest, model_dir)
@@ -194,7 +198,8 @@ def pooling_config(settings: Settings, manifest: Manifest, model_dir: Path, *, t
     return cfg
 
 
-def ensemble_config(settings: Settings, manifest: Manifest, *, target: str, variant: str) -> mc.ModelConfig:
+def ensemble_config(settings: Settings, manifest: Manifest, *, target: str, variant: str,
+                    pooling_step: bool = False) -> mc.ModelConfig:
     names = served_names(manifest, variant)
     cfg = mc.ModelConfig(name=names.ensemble, platform="ensemble", max_batch_size=settings.triton.max_batch_size)
     # The name already says the version; the full id is here for people and for the client's check.
@@ -205,7 +210,7 @@ def ensemble_config(settings: Settings, manifest: Manifest, *, target: str, vari
     enc = cfg.ensemble_scheduling.step.add(model_name=names.encoder, model_version=-1)
     for name in manifest.inputs:
         enc.input_map[name] = name
-    if pooled_in_encoder(settings, target):
+    if pooled_in_encoder(target, pooling_step=pooling_step):
         enc.output_map[OUTPUT] = OUTPUT
         return cfg
     enc.output_map[HIDDEN] = "_hidden"
@@ -242,22 +247,24 @@ def _write_if_changed(path: Path, text: str) -> bool:
 
 def generate_repository(settings: Settings, manifest: Manifest, model_dir: Path, *, out_dir: Path | None = None,
                         target: str | None = None, variant: str | None = None,
-                        project_root: Path | None = None) -> Path:
+                        project_root: Path | None = None, pooling_step: bool = False) -> Path:
     """The repository of one model version (see `generate_models`)."""
     variant = variant or settings.model.variant or manifest.default_variant
     return generate_models(settings, [RepoModel(manifest, model_dir, variant)], out_dir=out_dir, target=target,
-                           project_root=project_root)
+                           project_root=project_root, pooling_step=pooling_step)
 
 
-def _model_configs(settings: Settings, m: RepoModel, target: str, sys_path: list[str]) -> dict[str, mc.ModelConfig]:
+def _model_configs(settings: Settings, m: RepoModel, target: str, sys_path: list[str],
+                   pooling_step: bool) -> dict[str, mc.ModelConfig]:
     m.manifest.variant(m.variant)  # fails clearly on an unknown variant
     names = m.names
     configs = {names.encoder: encoder_config(settings, m.manifest, m.model_dir, target=target, variant=m.variant,
-                                             sys_path=sys_path)}
-    if not pooled_in_encoder(settings, target):
+                                             sys_path=sys_path, pooling_step=pooling_step)}
+    if not pooled_in_encoder(target, pooling_step=pooling_step):
         configs[names.pooling] = pooling_config(settings, m.manifest, m.model_dir, target=target, variant=m.variant,
                                                 sys_path=sys_path)
-    configs[names.ensemble] = ensemble_config(settings, m.manifest, target=target, variant=m.variant)
+    configs[names.ensemble] = ensemble_config(settings, m.manifest, target=target, variant=m.variant,
+                                              pooling_step=pooling_step)
     return configs
 
 
@@ -272,13 +279,14 @@ def _generated_models(repo: Path) -> set[str]:
 
 
 def generate_models(settings: Settings, models: Sequence[RepoModel], *, out_dir: Path | None = None,
-                    target: str | None = None, project_root: Path | None = None) -> Path:
+                    target: str | None = None, project_root: Path | None = None, pooling_step: bool = False) -> Path:
     """Write (or refresh) the models of every version in `models` under `out_dir`; returns the repository.
 
     Models an earlier run generated for versions not in `models` are removed (a repository volume
     reused for the next version would otherwise load the old one too). `project_root` overrides
     where the stub finds the project (e.g. /opt/embedcar in a container); its site-packages are then
-    not added, since the container brings its own Python.
+    not added, since the container brings its own Python. `pooling_step`: pooling as its own model on CPU too
+    (the GPU target's layout, so a CPU host tests it).
     """
     target = target or settings.triton.target
     if target not in TARGETS:
@@ -294,11 +302,11 @@ def generate_models(settings: Settings, models: Sequence[RepoModel], *, out_dir:
                              "(OpenVINO); a Triton repository serves fp32, fp16 or int8: set EMBEDCAR_MODEL_VARIANT")
     repo = (out_dir or settings.triton.repo_dir).resolve()
     sys_path = [str(project_root)] if project_root else stub_sys_path()
-    fused = pooled_in_encoder(settings, target)
+    fused = pooled_in_encoder(target, pooling_step=pooling_step)
     written: set[str] = set()
     engines = []
     for m in models:
-        configs = _model_configs(settings, m, target, sys_path)
+        configs = _model_configs(settings, m, target, sys_path, pooling_step)
         for name, cfg in configs.items():
             _write_if_changed(repo / name / "config.pbtxt", render(cfg))
             load_config(repo / name / "config.pbtxt")

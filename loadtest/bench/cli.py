@@ -75,13 +75,13 @@ def _model(args: argparse.Namespace) -> int:
 def _register_triton(areas: Any) -> None:
     p = areas.add_parser("triton", help="single-query latency: Triton ensemble vs embedded vs raw ORT")
     add_flags(p, "model", inference.ModelSettings, "models_dir", "variant")
-    add_flags(p, "triton", inference.TritonSettings, "max_queue_delay_us", "cpu_instances")  # the own server's
+    add_flags(p, "triton", inference.TritonSettings, "max_queue_delay_us", "instances")  # the own server's
     p.add_argument("--url", default=None, help="a running Triton's gRPC address (default: start one)")
     p.add_argument("--shapes", default="1x16,1x32,1x64", help="batch x tokens list")
     p.add_argument("--reps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--compare-step", action="store_true",
-                   help="also start a server with pooling as its own step (cpu_pooling=step) and time it alike")
+                   help="also start a server with pooling as its own step (the GPU layout) and time it alike")
     p.add_argument("--trace", type=Path, default=None,
                    help="trace every request of the own server into this file and add per-phase P50/P95")
     p.add_argument("--shm", action="store_true",
@@ -280,7 +280,7 @@ def _register_catalog(areas: Any) -> None:
     _catalog_flags(search)
     search.add_argument("--sizes", type=_items, default="50000,1000000", help="comma-separated item counts")
     search.add_argument("--types", type=_items, default="flat,hnsw,ivf,ivfpq", help="comma-separated index types")
-    add_flags(search, "catalog", catalog.CatalogSettings, "ivfpq_refine", "ivfpq_k_factor", "ann_recall_margin")
+    add_flags(search, "catalog", catalog.CatalogSettings, "ivfpq_refine")
     search.add_argument("--work-dir", type=Path, default=None,
                         help="where sizes too large for memory are memory-mapped from (default: the temp dir)")
     search.add_argument("--queries", type=int, default=500, help="single queries timed per index")

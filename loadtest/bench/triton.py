@@ -33,7 +33,7 @@ from inference.settings import Settings
 from inference.tokenizer import TokenBatch
 from inference.triton.launcher import TritonServer, triton_unavailable_reason
 from inference.triton.names import is_ensemble
-from inference.triton.repository import cpu_sizing
+from inference.triton.repository import ENCODER_ORT_SPINNING, cpu_sizing
 from inference.triton.trace import WHOLE, phase_table, trace_args
 from loadtest.bench.triton_shm import SharedMemoryCaller
 
@@ -151,7 +151,7 @@ async def run(settings: Settings, url: str, *, shapes: Sequence[tuple[int, int]]
     manifest = load_manifest(model_dir)
     variant = settings.model.variant
     threads = cpu_sizing(settings).ort_threads
-    sess = encoder_session(model_dir / manifest.variant(variant).file, threads, settings.triton.ort_spinning)
+    sess = encoder_session(model_dir / manifest.variant(variant).file, threads, ENCODER_ORT_SPINNING)
     onnx_inputs = {i.name for i in sess.get_inputs()}
     embedded = OnnxBackend(model_dir, manifest, variant=variant, threads=threads)
     embedded.warm_up()
@@ -220,7 +220,7 @@ async def _check_same(manifest: Manifest, wire: TritonBackend, shm: TritonBacken
 def bench(settings: Settings, *, url: str | None, shapes: Sequence[tuple[int, int]], reps: int, warmup: int,
           compare_step: bool = False, trace: Path | None = None, shm: bool = False) -> BenchReport:
     """`run` against `url`, or against a server started here (url None; traced into `trace` if given);
-    compare_step: also a server with pooling as its own step (cpu_pooling=step), timed alike."""
+    compare_step: also a server with pooling as its own step (the GPU target's layout), timed alike."""
     servers: list[TritonServer] = []
     others: dict[str, str] = {}
     try:
@@ -235,8 +235,8 @@ def bench(settings: Settings, *, url: str | None, shapes: Sequence[tuple[int, in
             raise InvalidInput("--trace needs the bench's own server (leave out --url)")
         if compare_step:
             repo = settings.triton.repo_dir
-            step = settings.with_section("triton", cpu_pooling="step", repo_dir=repo.with_name(repo.name + "-step"))
-            servers.append(TritonServer(step).start())  # its own free ports
+            step = settings.with_section("triton", repo_dir=repo.with_name(repo.name + "-step"))
+            servers.append(TritonServer(step, pooling_step=True).start())  # its own free ports
             others["triton two-step"] = servers[-1].grpc_url
         report = asyncio.run(run(settings, url, shapes=shapes, reps=reps, warmup=warmup, others=others, shm=shm))
     finally:
