@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from catalog import store
+from catalog.fusion import Fusion
 from catalog.settings import CatalogSettings, Settings
 from catalog.sources import GROCERY_SOURCE, compose_text
 from inference.cli import add_model_flags
@@ -120,8 +122,8 @@ def register(sub: Any) -> None:
     q.add_argument("--known-items", type=int, default=1000, help="known-item queries")
     q.add_argument("--seed", type=int, default=0, help="which known-item queries are drawn")
     q.add_argument("--ann", default="ivf,hnsw", help="approximate index types to compare with exact")
-    add_flags(q, "catalog", CatalogSettings, "text_fields", "rrf_k", "fusion_depth", "fusion_complete_weight",
-              "fusion_partial_weight", "fusion_single_word_weight", "complete_last_word")
+    add_flags(q, "catalog", CatalogSettings, "text_fields", "complete_last_word")
+    _fusion_flags(q)
     q.add_argument("--prefixes", action="store_true",
                    help="typeahead: cut each query to --cuts of its characters and score semantic, lexical and "
                    "hybrid search on the newest index under --index-root (built by `catalog build`)")
@@ -129,6 +131,37 @@ def register(sub: Any) -> None:
     q.add_argument("--modes", default="semantic,lexical,hybrid", help="with --prefixes: search modes")
     q.add_argument("--json", dest="json_out", default=None, help="also write the results here")
     q.set_defaults(func=_quality)
+
+
+# Hybrid fusion's parameters to try against the calibrated ones (catalog/fusion.py Fusion): flag,
+# Fusion field, type, help. Only `quality --prefixes` reads them; the sidecar uses the calibrated ones.
+_FUSION_FLAGS = (
+    ("--rrf-k", "k", float, "reciprocal rank fusion constant (a hit scores sum of w / (k + rank))"),
+    ("--fusion-depth", "depth", int, "candidates read from each leg before fusing"),
+    ("--fusion-complete-weight", "complete_weight", float,
+     "lexical leg weight ordering the products that match every typed word of a query of two or more words"),
+    ("--fusion-partial-weight", "partial_weight", float,
+     "lexical leg weight when no product matches every typed word"),
+    ("--fusion-single-word-weight", "single_word_weight", float,
+     "lexical leg weight ordering the products ranked first for a one-word query"),
+)
+
+
+def _fusion_flags(p: argparse.ArgumentParser) -> None:
+    for option, name, tp, doc in _FUSION_FLAGS:
+        p.add_argument(option, dest=f"fusion_{name}", type=tp, default=None,
+                       help=f"with --prefixes: {doc} (default {getattr(Fusion(), name)})")
+
+
+def _fusion(args: argparse.Namespace) -> Fusion | None:
+    """The calibrated fusion with the flags given applied; None when none was."""
+    given = {name: getattr(args, f"fusion_{name}") for _o, name, _t, _d in _FUSION_FLAGS
+             if getattr(args, f"fusion_{name}") is not None}
+    if not given:
+        return None
+    if given.get("depth", 1) < 1 or any(v < 0 for v in given.values()):
+        raise InvalidInput("fusion flags take numbers of at least 0 (--fusion-depth at least 1)")
+    return dataclasses.replace(Fusion(), **given)
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -248,7 +281,7 @@ def _prefix_quality(args: argparse.Namespace, settings: Settings) -> int:
     except ValueError as exc:
         raise InvalidInput(f"--cuts takes integer percentages, got {args.cuts!r}") from exc
     result = asyncio.run(evaluate_prefixes(settings, known_items=args.known_items, seed=args.seed, cuts=cuts,
-                                           modes=[parse_mode(m) for m in _list(args.modes)]))
+                                           modes=[parse_mode(m) for m in _list(args.modes)], fusion=_fusion(args)))
     print(f"index {result['index_version']} ({result['items']} items, FAISS {result['faiss']['type']}), "
           f"fusion {result['fusion']}, complete_last_word {result['complete_last_word']}")
     print(markdown(result))

@@ -14,7 +14,6 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import SupportsFloat, SupportsInt
 
-from catalog.settings import CatalogSettings
 from inference.errors import InvalidInput
 
 SEMANTIC_LEG = "semantic"
@@ -100,18 +99,18 @@ class Fusion:
     got far better on short prefixes and the one-word tier in lexical order (weight 8) fell below
     semantic on aisle names at 25 / 50 %; `single_word_weight` 0.5 was chosen on a small grid with
     the other weights kept (issue 45, "Fusion with completion").
+
+    The defaults are those calibrated values, what the sidecar always uses (not settings: the build
+    neither calibrates nor records them); `embedcar catalog quality --prefixes` takes flags to try others.
     """
 
+    # docs/benchmarks.md "Fusion with completion": k in {5, 10, 20, 60} x complete weight in
+    # {0.5 .. 16}, depth in {50, 100} x partial in {0.1 .. 1}, one-word weight in {0 .. 8}.
     k: float = 10.0
-    depth: int = 50
+    depth: int = 50  # candidates per leg; 100 added 0.0006 to the mean for twice the work
     complete_weight: float = 8.0
-    partial_weight: float = 0.25
-    single_word_weight: float = 0.5
-
-    @classmethod
-    def from_settings(cls, cs: CatalogSettings) -> Fusion:
-        return cls(k=cs.rrf_k, depth=max(1, cs.fusion_depth), complete_weight=cs.fusion_complete_weight,
-                   partial_weight=cs.fusion_partial_weight, single_word_weight=cs.fusion_single_word_weight)
+    partial_weight: float = 0.25  # 1 fell 0.04 below semantic on aisle names
+    single_word_weight: float = 0.5  # 8 (= complete_weight) fell below semantic on aisle names at 25 / 50 %
 
     def fuse(self, semantic: Ranked, lexical: Ranked, complete: AbstractSet[int], limit: int, *,
              single_word: bool = False) -> Ranked:

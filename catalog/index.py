@@ -99,8 +99,7 @@ class ProductIndex:
                       index_root: Path | None = None) -> Self:
         return cls.open(index_root or cs.index_root, expected_model_id=expected_model_id,
                         search_threads=cs.search_threads, nprobe=cs.ivf_nprobe or None,
-                        ef_search=cs.hnsw_ef_search, use_gpu=cs.use_gpu, fusion=Fusion.from_settings(cs),
-                        complete_last_word=cs.complete_last_word)
+                        ef_search=cs.hnsw_ef_search, use_gpu=cs.use_gpu, complete_last_word=cs.complete_last_word)
 
     # --- properties of the version being served ------------------------------------------
     @property

@@ -2,8 +2,8 @@
 and measuring its recall against exact search. catalog/publish.py writes the result into a version;
 catalog/index.py (the reader the sidecar imports) loads and searches it.
 
-Exact inner-product search is the default for small catalogs. Above `flat_max_items` the default
-is HNSW up to `hnsw_max_items`: at the grocery catalog's 50k items it builds in ~6 s and answers in
+Exact inner-product search is the default for small catalogs. Above `FLAT_MAX_ITEMS` the default
+is HNSW up to `HNSW_MAX_ITEMS`: at the grocery catalog's 50k items it builds in ~6 s and answers in
 ~0.25 ms at recall@10 0.99 vs exact, where exact search costs ~3.5 ms of a 20 ms keystroke budget
 (docs/benchmarks.md). Above that, compressed IVF-PQ: HNSW's build grew to ~6 min at 200k on 2 cores,
 and uncompressed vectors stop fitting one machine (10M x 384 fp32 = 15 GB); IVF-PQ (4-bit fast-scan
@@ -31,15 +31,35 @@ F32 = npt.NDArray[np.float32]
 I64 = npt.NDArray[np.int64]
 INDEX_TYPES = ("auto", "flat", "hnsw", "ivf", "ivfpq")
 
+# The index's sizing and calibration: measured, not per-deployment settings.
+# index_type=auto: exact up to FLAT_MAX_ITEMS, HNSW up to HNSW_MAX_ITEMS, compressed IVF-PQ above
+# (docs/benchmarks.md levers, "HNSW for 20k-200k items": 50k P95 4.98 -> 0.74 ms at recall@10 0.988;
+# docs/scale.md: HNSW's build took ~6 min at 200k on 2 cores).
+FLAT_MAX_ITEMS = 20_000
+HNSW_MAX_ITEMS = 200_000
+# HNSW graph degree and build breadth: docs/scale.md's 50k row (M 32, efC 80: built in 5.7 s, recall@10 0.988).
+HNSW_M = 32
+HNSW_EF_CONSTRUCTION = 80
+# Build-time nprobe choice: the smallest reaching ANN_RECALL_TARGET + ANN_RECALL_MARGIN recall@10 vs exact
+# on the calibration queries; fresh queries scored ~0.001-0.01 lower (0.949 at 1M calibrated to exactly
+# 0.95), hence the margin (docs/scale.md, "Recall@10 >= 0.95 at 1M and at 10M").
+ANN_RECALL_TARGET = 0.95
+ANN_RECALL_MARGIN = 0.01
+# ivfpq: 4-bit PQ sub-quantizers per vector, 0 = dim / 4 (48 bytes of codes at 384-d), and PQ candidates
+# re-ranked per result (k x IVFPQ_K_FACTOR, doubled at build up to _MAX_K_FACTOR where recall needs it):
+# fp16 re-rank at k_factor 8 reached 0.963 at P95 0.89 ms on 1M items (docs/scale.md, "Why this structure").
+IVFPQ_M = 0
+IVFPQ_K_FACTOR = 8
 
-def resolve_type(index_type: str, n: int, cs: CatalogSettings) -> str:
+
+def resolve_type(index_type: str, n: int) -> str:
     if index_type not in INDEX_TYPES:
         raise InvalidInput(f"unknown index type {index_type!r}; expected one of {', '.join(INDEX_TYPES)}")
     if index_type != "auto":
         return index_type
-    if n <= cs.flat_max_items:
+    if n <= FLAT_MAX_ITEMS:
         return "flat"
-    return "hnsw" if n <= cs.hnsw_max_items else "ivfpq"
+    return "hnsw" if n <= HNSW_MAX_ITEMS else "ivfpq"
 
 
 def auto_nlist(n: int) -> int:
@@ -55,12 +75,12 @@ def ivf_factory(kind: str, d: int, nlist: int, cs: CatalogSettings) -> tuple[str
     of each vector: the PQ codes only have to put the true neighbours among k x k_factor candidates."""
     if kind == "ivf":
         return f"IVF{nlist},Flat", {}
-    m = cs.ivfpq_m or d // 4
+    m = IVFPQ_M or d // 4
     if m < 1 or d % m or m % 2:
-        raise InvalidInput(f"ivfpq_m {m} must be even and divide the dimension {d}")
+        raise InvalidInput(f"ivfpq: {m} PQ sub-quantizers must be even and divide the dimension {d}")
     refine = {"fp16": "SQfp16", "sq8": "SQ8"}[cs.ivfpq_refine]
     return (f"IVF{nlist},PQ{m}x4fs,Refine({refine})",
-            {"pq_m": m, "pq_bits": 4, "refine": cs.ivfpq_refine, "k_factor": cs.ivfpq_k_factor})
+            {"pq_m": m, "pq_bits": 4, "refine": cs.ivfpq_refine, "k_factor": IVFPQ_K_FACTOR})
 
 
 def build_faiss(vectors: F32, cs: CatalogSettings, *, index_type: str | None = None, seed: int = 0,
@@ -77,7 +97,7 @@ def build_faiss(vectors: F32, cs: CatalogSettings, *, index_type: str | None = N
     if x.ndim != 2 or x.shape[0] == 0:
         raise InvalidInput(f"cannot index an empty or non-2-D array {x.shape}")
     n, d = x.shape
-    kind = resolve_type(index_type or cs.index_type, n, cs)
+    kind = resolve_type(index_type or cs.index_type, n)
     params: dict[str, Any] = {"type": kind}
     index: Any
     if kind != "flat":
@@ -88,9 +108,7 @@ def build_faiss(vectors: F32, cs: CatalogSettings, *, index_type: str | None = N
         _add(index, x)
         return index, params
     if kind in ("ivf", "ivfpq"):
-        nlist = cs.ivf_nlist or auto_nlist(n)
-        if nlist > n:
-            raise InvalidInput(f"ivf_nlist {nlist} is more than the {n} items to index")
+        nlist = auto_nlist(n)
         factory, extra = ivf_factory(kind, d, nlist, cs)
         index = faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT)
         ivf = ivf_of(index)
@@ -100,14 +118,14 @@ def build_faiss(vectors: F32, cs: CatalogSettings, *, index_type: str | None = N
         index.train(np.ascontiguousarray(train, dtype=np.float32))
         _add(index, x)
         if kind == "ivfpq":
-            index.k_factor = cs.ivfpq_k_factor
+            index.k_factor = IVFPQ_K_FACTOR
         params.update(nlist=nlist, **extra)
         assert queries is not None
         if cs.ivf_nprobe > 0:
             ivf.nprobe = params["nprobe"] = min(cs.ivf_nprobe, nlist)
             params["build_recall_at_10"] = round(ann_recall(index, x, queries), 4)
             return index, params
-        target = min(1.0, cs.ann_recall_target + cs.ann_recall_margin)
+        target = min(1.0, ANN_RECALL_TARGET + ANN_RECALL_MARGIN)
         truth = exact_topk(x, queries, min(10, n))
         params["nprobe"], params["build_recall_at_10"] = _choose_nprobe(index, x, queries, target, truth)
         # Codes too coarse for the data to reach the target even probing every list: re-rank more
@@ -121,11 +139,11 @@ def build_faiss(vectors: F32, cs: CatalogSettings, *, index_type: str | None = N
                         params["build_recall_at_10"], target)
         return index, params
     if kind == "hnsw":
-        index = faiss.IndexHNSWFlat(d, cs.hnsw_m, faiss.METRIC_INNER_PRODUCT)
-        index.hnsw.efConstruction = cs.hnsw_ef_construction
+        index = faiss.IndexHNSWFlat(d, HNSW_M, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
         _add(index, x)
         index.hnsw.efSearch = cs.hnsw_ef_search
-        params.update(m=cs.hnsw_m, ef_construction=cs.hnsw_ef_construction, ef_search=cs.hnsw_ef_search)
+        params.update(m=HNSW_M, ef_construction=HNSW_EF_CONSTRUCTION, ef_search=cs.hnsw_ef_search)
         assert queries is not None
         params["build_recall_at_10"] = round(ann_recall(index, x, queries), 4)
         return index, params

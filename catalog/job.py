@@ -232,7 +232,7 @@ def _configured_model_id(settings: Settings) -> str:
 
 def _approximate(settings: Settings, spec: BuildSpec, n: int) -> bool:
     """Whether the index will be approximate, so tuning it needs calibration queries."""
-    return resolve_type(spec.index_type or settings.catalog.index_type, n, settings.catalog) != "flat"
+    return resolve_type(spec.index_type or settings.catalog.index_type, n) != "flat"
 
 
 async def _merge_calibration(settings: Settings, products: list[Product], text_fields: tuple[str, ...],

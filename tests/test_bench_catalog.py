@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from catalog import index_build
 from embedcar_settings import Settings
 from loadtest.bench import catalog as bench
 from tests.test_catalog_index import DIM, clustered
@@ -18,8 +19,8 @@ def test_search_bench_maps_large_sizes_and_skips_uncompressed_types_that_would_n
     # "Available memory": 6000 fp32 vectors of DIM. 1000 items stay in memory; 5000 are a quarter
     # or more of it (mapped) and over half (flat and IVF skipped); ivfpq still runs.
     monkeypatch.setattr(bench, "_available_bytes", lambda: 6000 * DIM * 4)
-    s = settings.with_section("catalog", ivfpq_m=DIM // 2)
-    rows = bench.bench_search(s, base, sizes=(1000, 5000), types=("flat", "ivf", "ivfpq"),
+    monkeypatch.setattr(index_build, "IVFPQ_M", DIM // 2)
+    rows = bench.bench_search(settings, base, sizes=(1000, 5000), types=("flat", "ivf", "ivfpq"),
                               work_dir=tmp_path)
     by = {(r["items"], r["type"]): r for r in rows}
     assert set(by) == {(n, t) for n in (1000, 5000) for t in ("flat", "ivf", "ivfpq")}

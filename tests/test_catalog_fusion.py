@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from catalog.fusion import Fusion, Ranked, SearchMode, parse_mode, rrf
-from catalog.settings import CatalogSettings
 from inference.errors import InvalidInput
 
 
@@ -68,11 +67,22 @@ def test_a_one_word_query_lets_the_semantic_rank_order_the_lexical_hits() -> Non
         f.fuse(semantic, lexical, every, 10).rows  # at complete_weight: as every query was fused before
 
 
-def test_fusion_settings_and_modes() -> None:
-    f = Fusion.from_settings(CatalogSettings(rrf_k=30.0, fusion_depth=0, fusion_single_word_weight=2.0))
-    assert f.k == 30.0 and f.depth == 1 and f.single_word_weight == 2.0
-    assert Fusion.from_settings(CatalogSettings()) == Fusion()  # the settings' defaults are the class's
+def test_modes() -> None:
     assert parse_mode("HYBRID") is SearchMode.HYBRID and parse_mode(SearchMode.LEXICAL) is SearchMode.LEXICAL
     assert parse_mode(" semantic ") is SearchMode.SEMANTIC
     with pytest.raises(InvalidInput, match="unknown search mode"):
         parse_mode("fuzzy")
+
+
+def test_quality_flags_try_other_fusion_parameters_than_the_calibrated_ones() -> None:
+    """The sidecar always fuses with the calibrated values; `catalog quality --prefixes` can try others
+    (docs/benchmarks.md reproduces the old one-word weight with `--fusion-single-word-weight 8`)."""
+    from catalog import cli as catalog_cli
+    from inference.cli_main import build_parser
+
+    parse = build_parser().parse_args
+    assert catalog_cli._fusion(parse(["catalog", "quality", "--prefixes"])) is None
+    tried = catalog_cli._fusion(parse(["catalog", "quality", "--prefixes", "--fusion-single-word-weight", "8"]))
+    assert tried == Fusion(single_word_weight=8.0)
+    with pytest.raises(InvalidInput, match="at least 1"):
+        catalog_cli._fusion(parse(["catalog", "quality", "--fusion-depth", "0"]))

@@ -52,11 +52,16 @@ def s(settings: Settings, tmp_path: Path) -> Settings:
     return settings.with_section("catalog", index_root=tmp_path / "idx")
 
 
-@pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw", "ivfpq"])
-def test_each_index_type_finds_stored_items(s: Settings, kind: str) -> None:
+@pytest.fixture
+def pq_half(monkeypatch: pytest.MonkeyPatch) -> None:
     # PQ's default, dim/4 4-bit codes, is 48 bytes at the model's 384-d but only 4 at this test's
     # 32-d: twice that here keeps the codes as informative per item as in production.
-    s = s.with_section("catalog", ivfpq_m=DIM // 2)
+    monkeypatch.setattr(index_build, "IVFPQ_M", DIM // 2)
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw", "ivfpq"])
+@pytest.mark.usefixtures("pq_half")
+def test_each_index_type_finds_stored_items(s: Settings, kind: str) -> None:
     x = clustered(3000)
     publish(s, x, index_type=kind)
     idx = ProductIndex.open(s.catalog.index_root, expected_model_id=MODEL)
@@ -74,21 +79,22 @@ def test_ivf_nprobe_is_chosen_to_reach_the_recall_target(s: Settings) -> None:
     x = clustered(8000, seed=3)
     index, params = build_faiss(x, s.catalog, index_type="ivf")
     assert params["nlist"] == index_build.auto_nlist(8000)
-    assert params["build_recall_at_10"] >= s.catalog.ann_recall_target
+    assert params["build_recall_at_10"] >= index_build.ANN_RECALL_TARGET
     q = index_build.sample_queries(x, seed=99)
     assert index_build.ann_recall(index, x, q) >= 0.9  # fresh queries: close to the target too
 
 
 @pytest.mark.parametrize("refine", ["fp16", "sq8"])
+@pytest.mark.usefixtures("pq_half")  # 8-byte codes at 32-d
 def test_ivfpq_is_compressed_and_reaches_the_recall_target(s: Settings, refine: str) -> None:
     faiss = faiss_module()
     x = clustered(8000, seed=3)
-    cs = s.with_section("catalog", ivfpq_refine=refine, ivfpq_m=DIM // 2).catalog  # 8-byte codes at 32-d
+    cs = s.with_section("catalog", ivfpq_refine=refine).catalog
     index, params = build_faiss(x, cs, index_type="ivfpq")
-    assert params["build_recall_at_10"] >= cs.ann_recall_target + cs.ann_recall_margin
+    assert params["build_recall_at_10"] >= index_build.ANN_RECALL_TARGET + index_build.ANN_RECALL_MARGIN
     assert (params["pq_m"], params["pq_bits"], params["refine"]) == (DIM // 2, 4, refine)
     # This data's near-ties need more re-ranked candidates than the default: the build doubled it.
-    assert index.k_factor == params["k_factor"] > cs.ivfpq_k_factor
+    assert index.k_factor == params["k_factor"] > index_build.IVFPQ_K_FACTOR
     # Codes (DIM/4 x 4 bits) + the re-rank copy (2 or 1 byte per dimension) against 4 bytes flat.
     flat = faiss.IndexFlatIP(DIM)
     flat.add(x)
@@ -99,17 +105,18 @@ def test_ivfpq_is_compressed_and_reaches_the_recall_target(s: Settings, refine: 
     assert index_build.ann_recall(index, x, q) >= 0.9  # fresh queries: close to the target too
 
 
-def test_nprobe_is_the_smallest_that_reaches_the_target(s: Settings) -> None:
+def test_nprobe_is_the_smallest_that_reaches_the_target(s: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     x = clustered(8000, seed=4)
-    cs = s.with_section("catalog", ann_recall_margin=0.0).catalog
-    index, params = build_faiss(x, cs, index_type="ivf")
+    monkeypatch.setattr(index_build, "ANN_RECALL_MARGIN", 0.0)
+    index, params = build_faiss(x, s.catalog, index_type="ivf")
     q = index_build.sample_queries(x, 0)  # build_faiss's own synthetic calibration queries (seed 0)
     ivf = faiss_module().extract_index_ivf(index)
     got = params["nprobe"]
-    assert index_build.ann_recall(index, x, q) >= cs.ann_recall_target
+    target = index_build.ANN_RECALL_TARGET
+    assert index_build.ann_recall(index, x, q) >= target
     if got > 1:
         ivf.nprobe = got - 1
-        assert index_build.ann_recall(index, x, q) < cs.ann_recall_target
+        assert index_build.ann_recall(index, x, q) < target
 
 
 def test_a_memory_mapped_input_builds_the_same_index(s: Settings, tmp_path: Path) -> None:
@@ -135,17 +142,16 @@ def test_a_memory_mapped_input_builds_the_same_index(s: Settings, tmp_path: Path
     assert np.mean(truth == whole) > 0.99 and np.array_equal(truth[:, 0], whole[:, 0])  # sliced = whole
 
 
-def test_auto_type_is_flat_small_hnsw_medium_ivfpq_large(s: Settings) -> None:
-    small = s.with_section("catalog", flat_max_items=1000, hnsw_max_items=5000)
-    assert index_build.resolve_type("auto", 1000, small.catalog) == "flat"
-    assert index_build.resolve_type("auto", 1001, small.catalog) == "hnsw"
-    assert index_build.resolve_type("auto", 5001, small.catalog) == "ivfpq"
-    assert index_build.resolve_type("auto", 49_688, s.catalog) == "hnsw"  # the grocery catalog
-    assert index_build.resolve_type("auto", 10_000_000, s.catalog) == "ivfpq"
+def test_auto_type_is_flat_small_hnsw_medium_ivfpq_large(s: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    resolve = index_build.resolve_type
+    assert resolve("auto", 20_000) == "flat" and resolve("auto", 20_001) == "hnsw"
+    assert resolve("auto", 49_688) == "hnsw"  # the grocery catalog
+    assert resolve("auto", 200_001) == "ivfpq" and resolve("auto", 10_000_000) == "ivfpq"
     with pytest.raises(InvalidInput):
-        index_build.resolve_type("annoy", 10, s.catalog)
-    with pytest.raises(InvalidInput, match="ivfpq_m"):
-        build_faiss(clustered(2000), s.with_section("catalog", ivfpq_m=5).catalog, index_type="ivfpq")
+        resolve("annoy", 10)
+    monkeypatch.setattr(index_build, "IVFPQ_M", 5)
+    with pytest.raises(InvalidInput, match="PQ sub-quantizers"):
+        build_faiss(clustered(2000), s.catalog, index_type="ivfpq")
 
 
 @pytest.mark.parametrize("kind", ["flat", "ivf", "ivfpq"])
@@ -314,12 +320,10 @@ def test_old_versions_are_pruned(s: Settings) -> None:
 
 def test_fixed_ivf_settings_are_used_and_checked(s: Settings) -> None:
     x = clustered(2000, seed=4)
-    fixed = s.with_section("catalog", ivf_nlist=20, ivf_nprobe=3)
+    fixed = s.with_section("catalog", ivf_nprobe=3)
     index, params = build_faiss(x, fixed.catalog, index_type="ivf")
-    assert (params["nlist"], params["nprobe"], index.nprobe) == (20, 3, 3)
+    assert (params["nlist"], params["nprobe"], index.nprobe) == (index_build.auto_nlist(2000), 3, 3)
     assert 0 < params["build_recall_at_10"] <= 1
-    with pytest.raises(InvalidInput, match="more than"):
-        build_faiss(x[:10], fixed.catalog, index_type="ivf")
     with pytest.raises(InvalidInput):
         build_faiss(np.zeros((0, DIM), np.float32), s.catalog)
 

@@ -13,6 +13,7 @@ import pytest
 from catalog import store
 from catalog.fusion import SearchMode
 from catalog.index import ProductIndex
+from catalog.index_build import ANN_RECALL_TARGET
 from catalog.job import BuildSummary, build, ensure_index, merge
 from catalog.shards import select_shard
 from catalog.sources import GROCERY_SOURCE, Loaded, read_path
@@ -310,7 +311,7 @@ def test_an_ivf_build_is_tuned_with_embedded_text_queries(
     summary = run_build(s, onnx_backend, grocery_slice, index_type="ivf")
     p = summary.index
     assert p["type"] == "ivf" and p["calibration"] == f"{len(grocery_slice.products)} embedded text queries"
-    assert p["build_recall_at_10"] >= s.catalog.ann_recall_target and 1 <= p["nprobe"] <= p["nlist"]
+    assert p["build_recall_at_10"] >= ANN_RECALL_TARGET and 1 <= p["nprobe"] <= p["nlist"]
     idx = ProductIndex.open(s.catalog.index_root, expected_model_id=onnx_backend.version_id)
     title = grocery_slice.products[42].fields["title"]
     assert idx.search(embed_texts([title]), k=1)[0][0].fields["title"] == title
