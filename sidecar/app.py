@@ -199,7 +199,7 @@ class Sidecar:
             if self.tls is not None:
                 raise InvalidInput("sidecar.native_grpc_port serves plaintext only: turn it off with TLS "
                                    "(the main gRPC port serves TLS)")
-            self._front = NativeFront(servicer, asyncio.get_running_loop(), backlog=s.transport_backlog)
+            self._front = NativeFront(servicer.requests, asyncio.get_running_loop(), backlog=s.transport_backlog)
             try:
                 self.native_grpc_port = await asyncio.to_thread(self._front.start, s.host, s.native_grpc_port,
                                                                 s.max_message_bytes, front_limits(s))
@@ -249,7 +249,8 @@ class Sidecar:
         """The compiled front on grpc_port (and uds_path), health and reflection included: no grpc.aio server."""
         s = self.settings.sidecar
         uds_path = prepare_unix_socket(s.uds_path) if s.uds_path is not None else None
-        front = self._main_front = NativeFront(servicer, asyncio.get_running_loop(), backlog=s.transport_backlog)
+        front = self._main_front = NativeFront(servicer.requests, asyncio.get_running_loop(),
+                                               backlog=s.transport_backlog)
         try:
             self.grpc_port = await asyncio.to_thread(front.start, s.host, s.grpc_port, s.max_message_bytes,
                                                      front_limits(s), unix=uds_path, tls=self.tls)
@@ -358,8 +359,9 @@ class Sidecar:
         step = self.settings.sidecar.max_rows_per_pass
         for i in range(0, len(queries), step):
             for m in self.models:
-                await self.service.embed(queries[i:i + step], model=m.name, authenticated=True,
-                                         deadline=time.monotonic() + 60)
+                # The operator's own: no key, no rate limit, the shared cache partition.
+                call = self.service.call(None, model=m.name, deadline=time.monotonic() + 60)
+                await self.service.embed_call(call, queries[i:i + step])
         log.info("cache warmed with %d queries", len(queries))
         return len(queries)
 

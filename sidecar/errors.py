@@ -1,7 +1,9 @@
-"""inference.errors' code table at the sidecar's surfaces: an error's gRPC and HTTP status, and a
-client's gRPC status back to an error."""
+"""inference.errors' code table at the sidecar's surfaces: an error's gRPC and HTTP status (`status`,
+what every transport answers), and a client's gRPC status back to an error."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import grpc
 
@@ -14,6 +16,20 @@ def grpc_code(exc: EmbedcarError) -> grpc.StatusCode:
 
 def http_status(exc: EmbedcarError) -> int:
     return error_code(type(exc)).http
+
+
+class Status(NamedTuple):
+    """What a failed request answers, on gRPC (either server) and on HTTP alike."""
+
+    grpc: grpc.StatusCode
+    http: int
+    message: str
+    retry_after_s: float | None
+
+
+def status(exc: EmbedcarError) -> Status:
+    code = error_code(type(exc))
+    return Status(grpc.StatusCode[code.grpc], code.http, exc.message, exc.retry_after_s)
 
 
 def from_grpc(code: grpc.StatusCode, details: str | None, retry_after_s: float | None = None) -> EmbedcarError:

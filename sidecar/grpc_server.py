@@ -1,11 +1,9 @@
-"""gRPC layer: bytes <-> messages, metadata -> api key and deadline, project errors -> status codes.
-
-Requests are parsed here rather than by grpc so that undecodable bytes, invalid UTF-8 and unknown
-fields become INVALID_ARGUMENT with a message instead of a generic failure.
+"""grpc.aio's gRPC server: metadata -> api key and deadline, the reply or its error -> the call's status;
+the requests themselves are sidecar.calls' (the compiled front, sidecar.native_front, shares them).
 
 With API keys set, every method needs the `x-api-key` metadata except the health service (probes
 carry no key): Embed and Search check it in the service (per tenant, with its rate limit; Stream
-once when it opens and again per request),
+once when it opens, each message then taking its own rate-limit token),
 `KeyInterceptor` checks it for the rest (server reflection, and whatever is added later).
 """
 
@@ -13,23 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf import unknown_fields
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from inference.errors import EmbedcarError, Internal, InvalidInput, Unauthenticated
+from inference.errors import EmbedcarError, Unauthenticated
 from sidecar.auth import KeyRing
-from sidecar.errors import grpc_code
+from sidecar.calls import Requests, StreamSession, decode
+from sidecar.errors import status
 from sidecar.metrics import Metrics
-from sidecar.proto import embedcar_pb2 as pb
-from sidecar.service import EmbedOutcome, EmbedService
+from sidecar.service import EmbedService
 from sidecar.settings import SidecarSettings
 from sidecar.shedding import Gate
 from sidecar.tls import ServerTls
@@ -38,45 +34,6 @@ from sidecar.wire import API_KEY, RETRY_AFTER_KEY, SERVICE
 
 HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 SERVED = (SERVICE, HEALTH, reflection.SERVICE_NAME)  # what reflection lists
-_F16 = "<f2"
-_F32 = "<f4"
-
-
-def _parse(cls: type[Any], raw: bytes) -> Any:
-    return _known_fields(_decode(cls, raw))
-
-
-def _decode(cls: type[Any], raw: bytes) -> Any:
-    try:
-        return cls.FromString(raw)
-    except DecodeError as exc:
-        raise InvalidInput(f"request is not a valid {cls.DESCRIPTOR.full_name} (bad bytes or invalid UTF-8)") from exc
-
-
-def _known_fields(msg: Any) -> Any:
-    if len(unknown_fields.UnknownFieldSet(msg)):
-        raise InvalidInput(f"request has fields unknown to {msg.DESCRIPTOR.full_name}: wrong proto version?")
-    return msg
-
-
-def _stream_id(raw: bytes) -> int:
-    """A Stream request's id, read without checking the rest (0 where it cannot be read)."""
-    try:
-        return int(pb.StreamRequest.FromString(raw).id)
-    except DecodeError:
-        return 0
-
-
-def _stream_message(raw: bytes, arrived: float, stream_deadline: float | None) -> tuple[int, str, Any, float | None]:
-    """A Stream message's id, kind ("embed" or "search"), inner request and deadline. Raises InvalidInput
-    (its reply echoes the id where it can be read: `_stream_id`)."""
-    msg: pb.StreamRequest = _decode(pb.StreamRequest, raw)
-    kind = msg.WhichOneof("call")
-    _known_fields(msg)
-    if kind is None:
-        raise InvalidInput("stream request carries neither embed nor search")
-    inner = _known_fields(getattr(msg, kind))
-    return msg.id, kind, inner, arrived + msg.timeout_ms / 1000 if msg.timeout_ms else stream_deadline
 
 
 def _key_in(metadata: Any) -> str | None:
@@ -132,7 +89,7 @@ class Reflection:
         self._servicer = reflection.ReflectionServicer(SERVED)
 
     def answer(self, raw: bytes) -> bytes:
-        request = _decode(reflection_pb2.ServerReflectionRequest, raw)
+        request = decode(reflection_pb2.ServerReflectionRequest, raw, strict=False)
         [reply] = self._servicer.ServerReflectionInfo(iter([request]), None)
         return bytes(reply.SerializeToString())
 
@@ -169,19 +126,14 @@ def front_limits(settings: SidecarSettings) -> FrontLimits:
 
 
 class EmbedderServicer:
-    """Embed and Search as unary calls, and both over `Stream`: one handler per request kind, wrapped
-    once for a unary call (an error ends the call with its status) and once for a stream message (an
-    error is that request's reply)."""
+    """Embed and Search as unary calls (an error ends the call with its status), and both over `Stream`
+    (sidecar.calls.StreamSession: an error is that message's reply)."""
 
     def __init__(self, service: EmbedService, metrics: Metrics, gate: Gate | None = None, *,
                  max_owed: int = 64) -> None:
         self.service = service
-        self.metrics = metrics
-        self.gate = gate  # refuses at once under overload, before a request is parsed (sidecar.shedding)
+        self.requests = Requests(service, metrics, gate)
         self.max_owed = max_owed  # a Stream's replies in flight before it stops reading (sidecar.stream_max_owed)
-        self.reflection = Reflection()
-        # Label lookups cost ~15 µs each: bind the hot ones once.
-        self._ok = {"embed": metrics.requests.labels("embed", "ok"), "search": metrics.requests.labels("search", "ok")}
 
     async def embed(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         return await self._unary("embed", raw, context)
@@ -189,185 +141,48 @@ class EmbedderServicer:
     async def search(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         return await self._unary("search", raw, context)
 
-    async def stream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        """Each message becomes its own task, so requests in flight on one stream batch together as
-        separate calls would; replies go out in the order they finish, one write at a time. The stream
-        stops reading while `max_owed` replies are unanswered or unwritten (a caller that never reads)."""
-        key = _api_key(context)
+    async def stream(self, messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Replies go out in the order they finish, one write at a time. The stream stops reading while
+        `max_owed` replies are unanswered or unwritten (a caller that never reads)."""
         try:
-            self.service.keys.tenant_for(key)  # a wrong key ends the stream; each request is checked again
-        except Unauthenticated as exc:
-            await self._abort(context, "stream", exc)
-        stream_deadline = _deadline(context)
+            session = StreamSession(self.requests, _api_key(context), _deadline(context))
+        except EmbedcarError as exc:  # a wrong key ends the stream (counted)
+            await _abort(context, exc)
+            raise
         writing = asyncio.Lock()
         owed = asyncio.Semaphore(self.max_owed)
 
-        gate = self.gate
-
-        def leave(left: list[bool]) -> None:
-            if gate is not None and not left[0]:
-                left[0] = True
-                gate.leave()
-
-        def leaving(left: list[bool]) -> Callable[[asyncio.Task[None]], None]:
-            return lambda _task: leave(left)
-
-        async def answer(raw: bytes, left: list[bool]) -> None:
-            try:
-                reply = await self.stream_one(raw, key, stream_deadline)
-            finally:
-                leave(left)  # answered: its write waits on the caller, not on the model's capacity
+        async def write(reply: bytes) -> None:
             try:
                 async with writing:
-                    await context.write(reply.SerializeToString())
+                    await context.write(reply)
             finally:
                 owed.release()
 
-        async def refuse(raw: bytes, exc: EmbedcarError) -> None:
-            reply = self.stream_refusal(raw, exc)
-            async with writing:
-                await context.write(reply)
-
         async with asyncio.TaskGroup() as tasks:  # the client leaving cancels what is still running
-            async for raw in requests:
+            async for raw in messages:
                 await owed.acquire()
-                refused = gate.enter() if gate is not None else None
-                if refused is None:
-                    left = [False]
-                    task = tasks.create_task(answer(raw, left))
-                    # also a callback: a task cancelled before it ran leaves the gate too
-                    task.add_done_callback(leaving(left))
+                refusal = session.enter(raw)
+                if refusal is None:
+                    session.spawn(raw, write, tasks.create_task)
                 else:
-                    try:
-                        await refuse(raw, refused)
-                    finally:
-                        owed.release()
+                    await write(refusal)
 
     async def _unary(self, rpc: str, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         try:
-            return await self.answer(rpc, raw, _api_key(context), _deadline(context))
-        except EmbedcarError as exc:
-            await self._abort(context, rpc, exc)
+            return await self.requests.answer(rpc, raw, _api_key(context), _deadline(context))
+        except Exception as exc:  # a bug too: INTERNAL, never a crash of the server
+            await _abort(context, self.requests.failure(rpc, exc))
             raise  # unreachable: abort raises
-        except Exception as exc:  # a bug: report it as INTERNAL, never crash the server
-            await self._abort(context, rpc, Internal(f"unexpected error: {type(exc).__name__}"))
-            raise
-
-    async def answer(self, rpc: str, raw: bytes, key: str | None, deadline: float | None, *,
-                     authenticated: bool = False) -> bytes:
-        """A unary call's reply (rpc "embed" or "search"); raises EmbedcarError (count it: `count_error`).
-        Refused at once under overload, before the request is parsed."""
-        refused = self.gate.refusal() if self.gate is not None else None
-        if refused is not None:
-            raise refused
-        req = _parse(pb.EmbedRequest if rpc == "embed" else pb.SearchRequest, raw)
-        reply = await self._handle(rpc, req, key, deadline, authenticated=authenticated)
-        return bytes(reply.SerializeToString())
-
-    def embed_now(self, raw: bytes, key: str | None, deadline: float | None) -> bytes | None:
-        """An Embed call's reply computed on the calling thread (EmbedService.embed_now), or None once
-        authenticated: finish it with `answer(..., authenticated=True)`. Raises EmbedcarError."""
-        refused = self.gate.refusal() if self.gate is not None else None
-        if refused is not None:
-            raise refused
-        req: pb.EmbedRequest = _parse(pb.EmbedRequest, raw)
-        out = self.service.embed_now(req.texts, model=req.model or None, api_key=key, deadline=deadline)
-        if out is None:
-            return None
-        self._ok["embed"].inc()
-        return bytes(_embed_reply(req, out).SerializeToString())
-
-    def count_error(self, rpc: str, exc: EmbedcarError) -> None:
-        self.metrics.requests.labels(rpc, exc.code).inc()
-
-    def stream_refusal(self, raw: bytes, exc: EmbedcarError) -> bytes:
-        """A Stream message's error reply when it is refused before it is decoded (counted)."""
-        return bytes(pb.StreamReply(id=_stream_id(raw), error=self._error("stream", exc)).SerializeToString())
-
-    def stream_now(self, raw: bytes, key: str | None, stream_deadline: float | None) -> tuple[bytes | None, bool]:
-        """A Stream message's reply computed on the calling thread (an Embed that needs no waiting:
-        EmbedService.embed_now; an error is its reply), or None and whether the key was checked and a
-        rate-limit token taken: finish it with `stream_one(..., authenticated=...)` on the loop."""
-        rid, rpc = 0, "stream"
-        try:
-            rid, rpc, inner, deadline = _stream_message(raw, time.monotonic(), stream_deadline)
-            if rpc != "embed":
-                return None, False
-            out = self.service.embed_now(inner.texts, model=inner.model or None, api_key=key, deadline=deadline)
-            if out is None:
-                return None, True
-            self._ok["embed"].inc()
-            reply = pb.StreamReply(id=rid, embed=_embed_reply(inner, out))
-        except Exception as exc:
-            reply = self._stream_failed(raw, rid, rpc, exc)
-        return bytes(reply.SerializeToString()), False
-
-    async def stream_one(self, raw: bytes, key: str | None, stream_deadline: float | None, *,
-                         authenticated: bool = False) -> pb.StreamReply:
-        """A Stream message's reply (an error is its reply)."""
-        arrived = time.monotonic()
-        rid, rpc = 0, "stream"
-        try:
-            rid, rpc, inner, deadline = _stream_message(raw, arrived, stream_deadline)
-            reply = await self._handle(rpc, inner, key, deadline, authenticated=authenticated)
-        except Exception as exc:
-            return self._stream_failed(raw, rid, rpc, exc)
-        return pb.StreamReply(id=rid, **{rpc: reply})
-
-    def _stream_failed(self, raw: bytes, rid: int, rpc: str, exc: Exception) -> pb.StreamReply:
-        """A Stream message's error reply (counted): the id echoed where it was read (or can be), a bug INTERNAL."""
-        if isinstance(exc, EmbedcarError):
-            return pb.StreamReply(id=rid or _stream_id(raw), error=self._error(rpc, exc))
-        return pb.StreamReply(id=rid, error=self._error(rpc, Internal(f"unexpected error: {type(exc).__name__}")))
-
-    async def _handle(self, rpc: str, req: Any, key: str | None, deadline: float | None, *,
-                      authenticated: bool = False) -> Any:
-        """The reply message for a parsed request; counts it. Raises EmbedcarError."""
-        reply: pb.EmbedReply | pb.SearchReply
-        if rpc == "embed":
-            out = await self.service.embed(req.texts, model=req.model or None, api_key=key, deadline=deadline,
-                                           authenticated=authenticated)
-            reply = _embed_reply(req, out)
-        else:
-            reply = await self._search(req, key, deadline)
-        self._ok[rpc].inc()
-        return reply
-
-    async def _search(self, req: pb.SearchRequest, key: str | None, deadline: float | None) -> pb.SearchReply:
-        try:  # proto3 enums are open: an unknown number parses, and is refused here
-            mode = pb.SearchMode.Name(req.mode)
-        except ValueError:
-            raise InvalidInput(f"unknown search mode {req.mode}") from None
-        found = await self.service.search(req.texts, k=req.k, department=req.department, aisle=req.aisle,
-                                          mode=mode, model=req.model or None, api_key=key, deadline=deadline)
-        reply = pb.SearchReply(
-            results=[pb.HitList(hits=[pb.Hit(id=h.id, score=h.score, fields=h.fields, legs=h.legs) for h in hits])
-                     for hits in found.hits],
-            model=found.model, index_version=found.index_version, cache_hits=found.cache_hits,
-            timings=pb.Timings(**found.timings_ns), backend=found.backend)
-        return reply
-
-    def _error(self, rpc: str, exc: EmbedcarError) -> pb.StreamError:
-        self.count_error(rpc, exc)
-        return pb.StreamError(code=grpc_code(exc).value[0], message=exc.message, retry_after_s=exc.retry_after_s or 0.0)
-
-    async def _abort(self, context: grpc.aio.ServicerContext[Any, Any], rpc: str, exc: EmbedcarError) -> None:
-        self.count_error(rpc, exc)
-        trailer: tuple[tuple[str, str], ...] = ()
-        if exc.retry_after_s is not None:
-            trailer = ((RETRY_AFTER_KEY, f"{exc.retry_after_s:.4f}"),)
-        await context.abort(grpc_code(exc), exc.message, trailing_metadata=trailer)
 
 
-def _embed_reply(req: pb.EmbedRequest, out: EmbedOutcome) -> pb.EmbedReply:
-    emb = out.embeddings
-    if req.float16:
-        data, dtype = emb.astype(_F16).tobytes(), pb.FLOAT16
-    else:
-        data, dtype = emb.astype(_F32, copy=False).tobytes(), pb.FLOAT32
-    return pb.EmbedReply(embeddings=data, rows=emb.shape[0], dim=emb.shape[1], dtype=dtype,
-                         model=out.model, cache_hits=out.cache_hits, truncated=out.truncated,
-                         timings=pb.Timings(**out.timings_ns), backend=out.backend)
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: EmbedcarError) -> None:
+    """End the call with `exc`'s status (already counted: sidecar.calls.failure)."""
+    err = status(exc)
+    trailer: tuple[tuple[str, str], ...] = ()
+    if err.retry_after_s is not None:
+        trailer = ((RETRY_AFTER_KEY, f"{err.retry_after_s:.4f}"),)
+    await context.abort(err.grpc, err.message, trailing_metadata=trailer)
 
 
 def create_server(settings: SidecarSettings, servicer: EmbedderServicer, health: HealthServicer,

@@ -7,8 +7,10 @@ values and L2-normalises it again (Matryoshka-style), refused above the model's 
 
 Bodies are read and checked by hand (size cap, UTF-8, JSON types and depth, unknown fields) so every
 bad request gets a 4xx with a message that says what was wrong. A POST's key is checked from its headers
-and its body read whole, within a timeout, by `HttpGate` (sidecar.shedding) before it is routed: a
-caller without a key never has its body read, nor one slow to send it a place among those in progress.
+(once: the tenant found goes with the request to its route) and its body read whole, within a timeout, by
+`HttpGate` (sidecar.shedding) before it is routed: a caller without a key never has its body read, nor
+one slow to send it a place among those in progress. Errors answer what every transport answers
+(sidecar.errors.status); a bug is a JSON 500, logged (sidecar.calls.failure).
 
 With API keys set, /v1/embeddings, /v1/search and /metrics need one (`Authorization: Bearer <key>` or
 `x-api-key`; Prometheus sends the former with `authorization: {credentials: ...}`): the metrics name
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -31,14 +32,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 
 from catalog.fusion import SearchMode, parse_mode
-from inference.errors import EmbedcarError, Internal, InvalidInput, Unauthenticated
+from inference.errors import EmbedcarError, InvalidInput, Unauthenticated
 from inference.pooling import l2_normalize
-from sidecar.errors import http_status
+from sidecar.calls import failure
+from sidecar.errors import status
 from sidecar.metrics import Metrics
 from sidecar.service import EmbedService
 from sidecar.shedding import Gate, HttpGate, Scope
-
-log = logging.getLogger(__name__)
 
 # Each body's fields: name -> (JSON type, meaning). The parsers accept exactly these names, and
 # docs/http.md is written from these tables (sidecar/http_reference.py), replies' likewise.
@@ -90,7 +90,7 @@ def error_parts(exc: EmbedcarError) -> tuple[int, dict[str, str], bytes]:
     message = exc.message.encode("utf-8", "backslashreplace").decode("utf-8")
     body = json.dumps({"error": {"message": message, "type": exc.code}}, ensure_ascii=False,
                       separators=(",", ":")).encode()  # as JSONResponse writes it
-    return http_status(exc), headers, body
+    return status(exc).http, headers, body
 
 
 def _error(exc: EmbedcarError) -> Response:
@@ -212,6 +212,12 @@ def _api_key(headers: Headers) -> str | None:
 
 
 _RPC = {"/v1/embeddings": "http_embed", "/v1/search": "http_search"}  # metric label of a POST route
+_TENANT = "embedcar.tenant"  # the scope's state: the tenant the gate found for a POST's key
+
+
+def _tenant(request: Request) -> str:
+    tenant: str = request.scope["state"][_TENANT]
+    return tenant
 
 
 def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int, serving: Callable[[], bool],
@@ -222,10 +228,10 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int, 
 
     def check(scope: Scope) -> EmbedcarError | None:
         try:
-            service.keys.tenant_for(_api_key(Headers(scope=scope)))
+            tenant = service.caller(_api_key(Headers(scope=scope)))
         except Unauthenticated as exc:
-            metrics.rejections.labels("unauthenticated").inc()
             return exc
+        scope.setdefault("state", {})[_TENANT] = tenant  # the route's `Request.state`: not checked again
         return None
 
     def refused(scope: Scope, exc: EmbedcarError) -> tuple[int, dict[str, str], bytes]:
@@ -241,16 +247,11 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int, 
     async def embeddings(request: Request) -> Response:
         try:
             body = parse_embeddings_request(await request.body())
-            out = await service.embed(body.texts, model=body.model, api_key=_api_key(request.headers))
-            emb = truncate_dimensions(out.embeddings, body.dimensions,
-                                      normalize=service.models.get(body.model).manifest.normalize)
-        except EmbedcarError as exc:
-            metrics.requests.labels("http_embed", exc.code).inc()
-            return _error(exc)
-        except Exception as exc:  # a bug: a JSON 500 like gRPC's INTERNAL, and logged, not a crash
-            log.exception("POST /v1/embeddings failed")
-            metrics.requests.labels("http_embed", Internal.code).inc()
-            return _error(Internal(f"unexpected error: {type(exc).__name__}"))
+            call = service.call(_tenant(request), model=body.model)
+            out = await service.embed_call(call, body.texts)
+            emb = truncate_dimensions(out.embeddings, body.dimensions, normalize=call.served.manifest.normalize)
+        except Exception as exc:  # a bug too: a JSON 500 like gRPC's INTERNAL, not a crash
+            return _error(failure(metrics, "http_embed", exc))
         metrics.requests.labels("http_embed", "ok").inc()
         data: list[dict[str, Any]] = [
             {"object": "embedding", "index": i,
@@ -267,15 +268,10 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int, 
     async def search(request: Request) -> Response:
         try:
             q = parse_search_request(await request.body())
-            out = await service.search(q.texts, k=q.k, department=q.department, aisle=q.aisle, mode=q.mode,
-                                       model=q.model, api_key=_api_key(request.headers))
-        except EmbedcarError as exc:
-            metrics.requests.labels("http_search", exc.code).inc()
-            return _error(exc)
+            out = await service.search_call(service.call(_tenant(request), model=q.model), q.texts, k=q.k,
+                                            department=q.department, aisle=q.aisle, mode=q.mode)
         except Exception as exc:
-            log.exception("POST /v1/search failed")
-            metrics.requests.labels("http_search", Internal.code).inc()
-            return _error(Internal(f"unexpected error: {type(exc).__name__}"))
+            return _error(failure(metrics, "http_search", exc))
         metrics.requests.labels("http_search", "ok").inc()
         data = [{"index": i, "cache_hit": hit, "hits": [
                     {"id": h.id, "score": h.score, "fields": h.fields, "legs": list(h.legs)} for h in hits]}

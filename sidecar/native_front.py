@@ -43,12 +43,13 @@ import grpc
 
 from inference.backends.base import Backend
 from inference.backends.triton import BlockingCall, CallFailed, TritonBackend
-from inference.errors import EmbedcarError, Internal, Overloaded, Unavailable
+from inference.errors import EmbedcarError, Overloaded, Unavailable
 from inference.grpc_io import EXPERIMENTS, POLLING_IO
 from inference.triton.tls import ClientCredentials
-from sidecar.errors import grpc_code
+from sidecar.calls import Parsed, Requests, StreamSession
+from sidecar.errors import status
 from sidecar.event_loop import idle_lock
-from sidecar.grpc_server import EmbedderServicer, FrontLimits, Reflection, grpc_address
+from sidecar.grpc_server import FrontLimits, Reflection, grpc_address
 from sidecar.native_build import build_native, load_module
 from sidecar.tls import ServerTls
 from sidecar.unix_socket import owner_only_files
@@ -130,17 +131,18 @@ def _library_env() -> Iterator[None]:
 
 
 class NativeFront:
-    def __init__(self, servicer: EmbedderServicer, loop: asyncio.AbstractEventLoop, *, backlog: int = 0) -> None:
+    def __init__(self, requests: Requests, loop: asyncio.AbstractEventLoop, *, backlog: int = 0) -> None:
         """`backlog`: calls handed to the loop that may wait for it to take them; past it a call is
         refused on the front's thread (RESOURCE_EXHAUSTED) without waking the loop, as gRPC's C core
         does on the main port (sidecar.transport_backlog). 0 = no bound."""
-        self._servicer = servicer
+        self._requests = requests
+        self._reflection = Reflection()
         self._loop = loop
         self._lock = idle_lock(loop)
         self._backlog = backlog
         self._waiting = 0  # handed to the loop, not yet taken by it
         self._waiting_lock = threading.Lock()  # the front's threads and the loop's count together
-        self._shed = servicer.metrics.rejections.labels("shed")
+        self._shed = requests.metrics.rejections.labels("shed")
         self._tasks: set[asyncio.Task[None]] = set()
         self._holding = threading.local()  # .held: this front thread holds the loop's idle lock
         self._module: Any = None
@@ -205,81 +207,80 @@ class NativeFront:
         assert raw is not None  # None only opens a stream
         rpc = METHODS[method]  # the front hands over only the methods `start` names (others: UNIMPLEMENTED)
         deadline = time.monotonic() + timeout_s if math.isfinite(timeout_s) else None
-        body: bytes | None = None
-        authenticated = False
+        answer: bytes | Parsed | None = None
         if rpc == "embed":
             with self._loop_asleep() as asleep:
                 if asleep:
                     try:
-                        body = self._servicer.embed_now(raw, key, deadline)
-                    except EmbedcarError as exc:
-                        self._fail(call, rpc, exc)
+                        answer = self._requests.now(raw, key, deadline)
+                    except Exception as exc:  # a bug too: INTERNAL, and the front keeps serving
+                        self._fail(call, self._requests.failure(rpc, exc))
                         return
-                    except Exception as exc:  # a bug: INTERNAL, and the front keeps serving
-                        self._fail(call, rpc, Internal(f"unexpected error: {type(exc).__name__}"))
-                        return
-                    authenticated = True  # the key was checked and a rate-limit token taken: not again
-            if body is not None:
-                call.reply(body)
+            if isinstance(answer, bytes):
+                call.reply(answer)
                 return
+        parsed = answer if isinstance(answer, Parsed) else None  # admitted on this thread
         with self._waiting_lock:
             waiting = self._waiting
             if not self._backlog or waiting < self._backlog:
                 self._waiting += 1
         if self._backlog and waiting >= self._backlog:
             self._shed.inc()
-            self._fail(call, rpc, Overloaded(f"the sidecar's event loop is behind ({waiting} calls wait for it); "
-                                             "retry shortly", retry_after_s=0.05))
+            self._fail(call, self._requests.failure(rpc, Overloaded(
+                f"the sidecar's event loop is behind ({waiting} calls wait for it); retry shortly",
+                retry_after_s=0.05)))
             return
         try:
-            self._loop.call_soon_threadsafe(self._later, rpc, raw, key, deadline, call, authenticated)
+            self._loop.call_soon_threadsafe(self._later, rpc, raw, key, deadline, call, parsed)
         except RuntimeError:  # the loop has closed: the sidecar is gone
             self._taken()
-            self._fail(call, rpc, Unavailable("the sidecar is shutting down"))
+            self._fail(call, self._requests.failure(rpc, Unavailable("the sidecar is shutting down")))
 
     def _on_message(self, raw: bytes | None, key: str | None, timeout_s: float, stream: Any) -> None:
-        """A Stream's opening (`raw` None: its key checked, as EmbedderServicer.stream does before reading)
-        or one of its messages: refused by the gate or answered (here where it needs no waiting, else by a
-        task on the loop), an error as its reply."""
-        servicer = self._servicer
+        """A Stream's opening (`raw` None: its key checked, sidecar.calls.StreamSession) or one of its
+        messages: refused by the gate or answered (here where it needs no waiting, else by a task on the
+        loop), an error as its reply."""
         if raw is None:
+            deadline = time.monotonic() + timeout_s if math.isfinite(timeout_s) else None
             try:
-                servicer.service.keys.tenant_for(key)
-            except EmbedcarError as exc:
-                servicer.count_error("stream", exc)
-                stream.fail(grpc_code(exc).value[0], exc.message)
+                opened = stream.state = StreamSession(self._requests, key, deadline)
+            except EmbedcarError as exc:  # counted
+                stream.fail(status(exc).grpc.value[0], exc.message)
                 return
-            opened = stream.state = _Stream(time.monotonic() + timeout_s if math.isfinite(timeout_s) else None)
             stream.on_cancel(functools.partial(self._loop.call_soon_threadsafe, opened.cancel))
             return
-        state: _Stream = stream.state
+        session: StreamSession = stream.state
         reply: bytes | None = None
-        entered: bool | None = None  # None: the gate not passed yet; else whether the key was checked
+        message: bytes | Parsed = raw
+        entered = False
         with self._loop_asleep() as asleep:
             if asleep:  # the gate and the pipeline are the loop's: touched only while it sleeps
-                reply, entered = self._message_now(raw, key, state)
+                reply = session.enter(raw)
+                if reply is None:
+                    entered = True
+                    now = session.now(raw)
+                    if isinstance(now, bytes):
+                        reply = now
+                    elif now is not None:
+                        message = now
         if reply is not None:
             stream.write(reply)
             return
         try:
-            self._loop.call_soon_threadsafe(self._stream_later, raw, key, state, stream, entered)
+            self._loop.call_soon_threadsafe(self._stream_later, session, message, stream, entered)
         except RuntimeError:  # the loop has closed: the sidecar is gone
             stream.fail(grpc.StatusCode.UNAVAILABLE.value[0], "the sidecar is shutting down")
 
     def _on_reflection(self, raw: bytes | None, key: str | None, stream: Any) -> None:
         """A reflection stream's opening (its key checked where keys are set, as grpc.aio's KeyInterceptor
         does) or one of its requests, answered here: reflection reads only the protobuf descriptors."""
-        servicer = self._servicer
-        if raw is None:
-            try:
-                servicer.service.keys.tenant_for(key)
-            except EmbedcarError as exc:
-                stream.fail(grpc_code(exc).value[0], exc.message)
-            return
         try:
-            reply = servicer.reflection.answer(raw)
+            if raw is None:
+                self._requests.service.keys.tenant_for(key)
+                return
+            reply = self._reflection.answer(raw)
         except EmbedcarError as exc:
-            stream.fail(grpc_code(exc).value[0], exc.message)
+            stream.fail(status(exc).grpc.value[0], exc.message)
             return
         stream.write(reply)
 
@@ -298,90 +299,52 @@ class NativeFront:
             self._holding.held = False
             lock.release()
 
-    def _message_now(self, raw: bytes, key: str | None, state: _Stream) -> tuple[bytes | None, bool | None]:
-        """A Stream message's reply here (a refusal, or an answer that needs no waiting), else None and
-        whether its key was checked (it has passed the gate)."""
-        servicer = self._servicer
-        gate = servicer.gate
-        refused = gate.enter() if gate is not None else None
-        if refused is not None:
-            return servicer.stream_refusal(raw, refused), None
-        reply, authenticated = servicer.stream_now(raw, key, state.deadline)
-        if reply is not None and gate is not None:
-            gate.leave()
-        return reply, authenticated
-
     def _taken(self) -> None:
         with self._waiting_lock:
             self._waiting -= 1
 
-    def _fail(self, call: Any, rpc: str, exc: EmbedcarError) -> None:
-        self._servicer.count_error(rpc, exc)
-        retry = f"{exc.retry_after_s:.4f}" if exc.retry_after_s is not None else None
-        call.fail(grpc_code(exc).value[0], exc.message, retry)
+    @staticmethod
+    def _fail(call: Any, exc: EmbedcarError) -> None:
+        """End `call` with `exc`'s status (already counted: sidecar.calls.failure)."""
+        err = status(exc)
+        retry = f"{err.retry_after_s:.4f}" if err.retry_after_s is not None else None
+        call.fail(err.grpc.value[0], err.message, retry)
 
     # --- on the event loop --------------------------------------------------------------------------
     def _later(self, rpc: str, raw: bytes, key: str | None, deadline: float | None, call: Any,
-               authenticated: bool) -> None:
+               parsed: Parsed | None) -> None:
+        """`parsed`: the request as the front's thread admitted it (its key checked, a rate-limit token
+        taken), else None: all of it here."""
         self._taken()
-        task = self._loop.create_task(self._answer(rpc, raw, key, deadline, call, authenticated))
+        task = self._loop.create_task(self._answer(rpc, raw, key, deadline, call, parsed))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         # The caller leaving cancels the work, as grpc.aio cancels its handler (a query others joined
         # tells them at once). On a gRPC thread: the loop is told, not touched.
         call.on_cancel(functools.partial(self._loop.call_soon_threadsafe, task.cancel, _CALLER_LEFT))
 
-    def _stream_later(self, raw: bytes, key: str | None, state: _Stream, stream: Any, entered: bool | None) -> None:
+    def _stream_later(self, session: StreamSession, message: bytes | Parsed, stream: Any, entered: bool) -> None:
         """On the loop: a Stream message's task (the gate passed first where the front's thread did not)."""
-        gate = self._servicer.gate
-        if entered is None and gate is not None and (refused := gate.enter()) is not None:
-            stream.write(self._servicer.stream_refusal(raw, refused))
-            return
-        if state.cancelled:
-            if gate is not None:
-                gate.leave()
-            return
-        task = self._loop.create_task(self._stream_answer(raw, key, state, stream, bool(entered)))
-        state.tasks.add(task)
-        task.add_done_callback(state.tasks.discard)
-        if gate is not None:  # a callback, not `finally`: a task cancelled before it ran counts too
-            task.add_done_callback(lambda _t: gate.leave())
-
-    async def _stream_answer(self, raw: bytes, key: str | None, state: _Stream, stream: Any,
-                             authenticated: bool) -> None:
-        reply = await self._servicer.stream_one(raw, key, state.deadline, authenticated=authenticated)
-        stream.write(reply.SerializeToString())
+        if not entered:
+            assert isinstance(message, bytes)  # parsed only after the gate
+            refusal = session.enter(message)
+            if refusal is not None:
+                stream.write(refusal)
+                return
+        session.spawn(message, stream.write, self._loop.create_task)
 
     async def _answer(self, rpc: str, raw: bytes, key: str | None, deadline: float | None, call: Any,
-                      authenticated: bool) -> None:
+                      parsed: Parsed | None) -> None:
+        requests = self._requests
         try:
-            body = await self._servicer.answer(rpc, raw, key, deadline, authenticated=authenticated)
-        except EmbedcarError as exc:
-            self._fail(call, rpc, exc)
+            body = await (requests.answer(rpc, raw, key, deadline) if parsed is None else requests.reply(parsed))
         except asyncio.CancelledError as exc:
             if _CALLER_LEFT not in exc.args:
-                self._fail(call, rpc, Unavailable("the sidecar is shutting down"))
+                self._fail(call, requests.failure(rpc, Unavailable("the sidecar is shutting down")))
             else:  # ended all the same (its status goes nowhere): a call is finished once, always
                 call.fail(_CANCELLED, "the caller cancelled the call")
             raise
-        except Exception as exc:
-            self._fail(call, rpc, Internal(f"unexpected error: {type(exc).__name__}"))
+        except Exception as exc:  # a bug too: INTERNAL
+            self._fail(call, requests.failure(rpc, exc))
         else:
             call.reply(body)
-
-
-class _Stream:
-    """One Stream call's state on the front: its deadline and the tasks answering its messages on the loop
-    (cancelled, on the loop, when the caller leaves)."""
-
-    __slots__ = ("cancelled", "deadline", "tasks")
-
-    def __init__(self, deadline: float | None) -> None:
-        self.deadline = deadline
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        for task in self.tasks:
-            task.cancel()

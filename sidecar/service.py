@@ -56,6 +56,19 @@ class SearchOutcome:
     model: str = ""  # the version id of the model whose vectors searched the index
 
 
+@dataclass(slots=True)
+class Call:
+    """One request as the service admitted it, made once (`EmbedService.open` / `call`) and carried to
+    whichever thread finishes it: the cache partition of its caller, the model version that answers
+    (resolved once: a rollout meanwhile does not split a reply), its deadline and its timings so far."""
+
+    served: ServedModel
+    partition: str | None  # EmbeddingCache.key's: the tenant's where tenants are kept apart, else None
+    deadline: float  # time.monotonic()
+    t0: int  # time.perf_counter_ns() as the service took it
+    timings: Timings
+
+
 class EmbedService:
     def __init__(self, models: ModelSet, *, keys: KeyRing, limiter: RateLimiter, metrics: Metrics,
                  default_deadline_s: float, max_k: int) -> None:
@@ -76,69 +89,71 @@ class EmbedService:
         """The default model's version id (what a request naming no model gets)."""
         return self.models.default.version_id
 
-    def authenticate(self, api_key: str | None) -> str:
-        """Auth then rate limit; the tenant name."""
+    def caller(self, api_key: str | None) -> str:
+        """The tenant owning `api_key`, or Unauthenticated (counted)."""
         try:
-            tenant = self.keys.tenant_for(api_key)
+            return self.keys.tenant_for(api_key)
         except Unauthenticated:
             self.metrics.rejections.labels("unauthenticated").inc()
             raise
-        try:
-            self.limiter.take(tenant)
-        except Overloaded:
-            self.metrics.rejections.labels("rate_limit").inc()
-            raise
-        return tenant
 
-    def _deadline(self, deadline: float | None) -> float:
-        return time.monotonic() + self.default_deadline_s if deadline is None else deadline
+    def call(self, tenant: str | None, *, model: str | None = None, deadline: float | None = None,
+             t0: int | None = None) -> Call:
+        """A request of `tenant` (its key already checked: `caller`), after its rate-limit token; tenant
+        None: the operator's own (warm queries): no limit, the shared cache partition. `deadline` is on
+        the time.monotonic() clock, None = the default from settings; `model` a served model's name or
+        version id, None = the default (first) one."""
+        t0 = time.perf_counter_ns() if t0 is None else t0
+        if tenant is not None:
+            try:
+                self.limiter.take(tenant)
+            except Overloaded:
+                self.metrics.rejections.labels("rate_limit").inc()
+                raise
+        served = self.models.get(model)
+        deadline = time.monotonic() + self.default_deadline_s if deadline is None else deadline
+        tm = Timings()
+        tm.auth = time.perf_counter_ns() - t0
+        return Call(served, self.partition(tenant), deadline, t0, tm)
+
+    def open(self, api_key: str | None, *, model: str | None = None, deadline: float | None = None) -> Call:
+        """`caller` then `call`: a request that brings its key with it (a unary call)."""
+        t0 = time.perf_counter_ns()
+        return self.call(self.caller(api_key), model=model, deadline=deadline, t0=t0)
 
     async def embed(self, texts: Sequence[object], *, model: str | None = None, api_key: str | None = None,
-                    deadline: float | None = None, authenticated: bool = False) -> EmbedOutcome:
-        """`deadline` is on the time.monotonic() clock; None = the default deadline from settings.
-        `model`: a served model's name or version id; None = the default (first) one.
-        `authenticated`: the key was checked (and a rate-limit token taken) by `embed_now`; without a key
-        (the operator's warm queries) the request uses the shared cache partition."""
-        t0 = time.perf_counter_ns()
-        tm = Timings()
-        if not authenticated:
-            tenant: str | None = self.authenticate(api_key)
-        else:
-            tenant = self.keys.tenant_for(api_key) if self.per_tenant_cache and api_key else None
-        served = self.models.get(model)
-        tm.auth = time.perf_counter_ns() - t0
-        out = await served.pipeline.run(texts, self._deadline(deadline), tm, self.partition(tenant))
-        return self._embedded(served, out, tm, t0)
+                    deadline: float | None = None) -> EmbedOutcome:
+        return await self.embed_call(self.open(api_key, model=model, deadline=deadline), texts)
 
-    def embed_now(self, texts: Sequence[object], *, model: str | None = None, api_key: str | None = None,
-                  deadline: float | None = None) -> EmbedOutcome | None:
-        """`embed` on the calling thread where its pipeline can answer without waiting
-        (EmbedPipeline.run_now); None once authenticated: finish with `embed(..., authenticated=True)`."""
-        t0 = time.perf_counter_ns()
-        tm = Timings()
-        tenant = self.authenticate(api_key)
-        served = self.models.get(model)
-        tm.auth = time.perf_counter_ns() - t0
-        out = served.pipeline.run_now(texts, self._deadline(deadline), tm, self.partition(tenant))
-        return None if out is None else self._embedded(served, out, tm, t0)
+    async def embed_call(self, call: Call, texts: Sequence[object]) -> EmbedOutcome:
+        out = await call.served.pipeline.run(texts, call.deadline, call.timings, call.partition)
+        return self._embedded(call, out)
+
+    def embed_now(self, call: Call, texts: Sequence[object]) -> EmbedOutcome | None:
+        """`embed_call` on the calling thread where its pipeline can answer without waiting
+        (EmbedPipeline.run_now); None: finish it with `embed_call` on the loop (the same `call`)."""
+        out = call.served.pipeline.run_now(texts, call.deadline, call.timings, call.partition)
+        return None if out is None else self._embedded(call, out)
 
     @staticmethod
-    def _embedded(served: ServedModel, out: Embedded, tm: Timings, t0: int) -> EmbedOutcome:
-        tm.total = time.perf_counter_ns() - t0
+    def _embedded(call: Call, out: Embedded) -> EmbedOutcome:
+        tm = call.timings
+        tm.total = time.perf_counter_ns() - call.t0
         timings = tm.as_dict()
-        served.metrics.observe_timings("embed", timings)
+        call.served.metrics.observe_timings("embed", timings)
         return EmbedOutcome(out.embeddings, out.cache_hits, out.truncated, out.tokens, timings, out.backend,
-                            served.version_id)
+                            call.served.version_id)
 
     async def search(self, texts: Sequence[object], *, k: int = 10, department: str | None = None,
                      aisle: str | None = None, mode: SearchMode | str = SearchMode.SEMANTIC,
                      model: str | None = None, api_key: str | None = None,
                      deadline: float | None = None) -> SearchOutcome:
-        t0 = time.perf_counter_ns()
-        tm = Timings()
-        tenant = self.authenticate(api_key)
-        served = self.models.get(model)  # once: its pipeline and its index, whatever a rollout does meanwhile
-        tm.auth = time.perf_counter_ns() - t0
+        return await self.search_call(self.open(api_key, model=model, deadline=deadline), texts, k=k,
+                                      department=department, aisle=aisle, mode=mode)
+
+    async def search_call(self, call: Call, texts: Sequence[object], *, k: int = 10, department: str | None = None,
+                          aisle: str | None = None, mode: SearchMode | str = SearchMode.SEMANTIC) -> SearchOutcome:
+        tm, served = call.timings, call.served  # its pipeline and its index, whatever a rollout does meanwhile
         mode = parse_mode(mode)
         k = k or 10
         if not 1 <= k <= self.max_k:
@@ -162,7 +177,7 @@ class EmbedService:
                 embedded = index.embedding_texts(clean, max_chars=served.pipeline.max_chars)
             else:
                 embedded = await asyncio.to_thread(index.embedding_texts, clean, max_chars=served.pipeline.max_chars)
-            emb = await served.pipeline.run(embedded, self._deadline(deadline), tm, self.partition(tenant))
+            emb = await served.pipeline.run(embedded, call.deadline, tm, call.partition)
             vectors, cache_hits, backend = emb.embeddings, emb.cache_hits, emb.backend
         t2 = time.perf_counter_ns()
         hits, ranking = await holder.query(index, clean, vectors, k, mode=mode, department=department or None,
@@ -170,7 +185,7 @@ class EmbedService:
         t3 = time.perf_counter_ns()
         tm.lexical = ranking.lexical_ns
         tm.search = t3 - t2 - ranking.lexical_ns  # the FAISS leg, fusion, the hits' fields and the thread hop
-        tm.total = t3 - t0
+        tm.total = t3 - call.t0
         timings = tm.as_dict()
         served.metrics.observe_timings("search", timings)
         return SearchOutcome(hits, str(index.version), cache_hits, timings, backend, served.version_id)

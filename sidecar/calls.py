@@ -1,0 +1,311 @@
+"""A request, whichever transport brought it: the gate, parsing, the service, the reply or its error.
+
+Both gRPC servers (grpc.aio's `sidecar.grpc_server`, the compiled `sidecar.native_front`) hand this
+module an Embedder request's bytes and write back what it returns; the HTTP facade (`sidecar.http_api`)
+parses its JSON itself and shares the error handling. So each of these is written once here:
+
+    `failure`        a failed request's error, counted; a bug's traceback logged (INTERNAL to its caller)
+    `Requests`       Embed and Search bytes -> gate -> parse -> service (`EmbedService.open`: the key, the
+                     rate limit, the model: one `Call`) -> reply bytes; `now` on the calling thread
+    `StreamSession`  one Stream call: the key checked once as it opens, each message gated, answered by
+                     its own task (or at once on the compiled front's thread), an error as its reply
+
+Requests are parsed here rather than by grpc so that undecodable bytes, invalid UTF-8 and unknown
+fields become INVALID_ARGUMENT with a message instead of a generic failure. What a failure answers on
+each transport comes from one function (`sidecar.errors.status`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf import unknown_fields
+from google.protobuf.message import DecodeError
+
+from inference.errors import EmbedcarError, Internal, InvalidInput, Overloaded
+from sidecar.errors import status
+from sidecar.metrics import Metrics
+from sidecar.proto import embedcar_pb2 as pb
+from sidecar.service import Call, EmbedOutcome, EmbedService
+from sidecar.shedding import Gate
+
+log = logging.getLogger(__name__)
+
+_F16 = "<f2"
+_F32 = "<f4"
+
+
+def failure(metrics: Metrics, rpc: str, exc: BaseException) -> EmbedcarError:
+    """The error a failed request answers, counted (embedcar_requests): a project error as it is; anything
+    else is a bug: INTERNAL to its caller, and its traceback logged here, once, whatever the transport."""
+    if not isinstance(exc, EmbedcarError):
+        log.error("%s failed", rpc, exc_info=exc)
+        exc = Internal(f"unexpected error: {type(exc).__name__}")
+    metrics.requests.labels(rpc, exc.code).inc()
+    return exc
+
+
+@dataclass(slots=True)
+class Parsed:
+    """A request decoded (and, where `call` is set, admitted by the service) on one thread and finished on
+    the loop: the compiled front's hand-over."""
+
+    rpc: str  # "embed" | "search"
+    request: Any  # pb.EmbedRequest | pb.SearchRequest
+    deadline: float | None
+    call: Call | None = None
+    id: int = 0  # a Stream message's
+
+
+def _decode(cls: type[Any], raw: bytes) -> Any:
+    try:
+        return cls.FromString(raw)
+    except DecodeError as exc:
+        raise InvalidInput(f"request is not a valid {cls.DESCRIPTOR.full_name} (bad bytes or invalid UTF-8)") from exc
+
+
+def _known_fields(msg: Any) -> Any:
+    if len(unknown_fields.UnknownFieldSet(msg)):
+        raise InvalidInput(f"request has fields unknown to {msg.DESCRIPTOR.full_name}: wrong proto version?")
+    return msg
+
+
+def decode(cls: type[Any], raw: bytes, *, strict: bool = True) -> Any:
+    """`raw` as a `cls` message, or InvalidInput (bad bytes, invalid UTF-8; `strict`: unknown fields)."""
+    msg = _decode(cls, raw)
+    return _known_fields(msg) if strict else msg
+
+
+def _stream_id(raw: bytes) -> int:
+    """A Stream request's id, read without checking the rest (0 where it cannot be read)."""
+    try:
+        return int(pb.StreamRequest.FromString(raw).id)
+    except DecodeError:
+        return 0
+
+
+def _stream_message(raw: bytes, arrived: float, stream_deadline: float | None) -> Parsed:
+    """A Stream message, parsed (its deadline its own timeout, else the stream's). Raises InvalidInput (its
+    reply echoes the id where it can be read: `_stream_id`)."""
+    msg: pb.StreamRequest = _decode(pb.StreamRequest, raw)
+    kind = msg.WhichOneof("call")
+    _known_fields(msg)
+    if kind is None:
+        raise InvalidInput("stream request carries neither embed nor search")
+    inner = _known_fields(getattr(msg, kind))
+    deadline = arrived + msg.timeout_ms / 1000 if msg.timeout_ms else stream_deadline
+    return Parsed(kind, inner, deadline, id=msg.id)
+
+
+def _embed_reply(req: pb.EmbedRequest, out: EmbedOutcome) -> pb.EmbedReply:
+    emb = out.embeddings
+    if req.float16:
+        data, dtype = emb.astype(_F16).tobytes(), pb.FLOAT16
+    else:
+        data, dtype = emb.astype(_F32, copy=False).tobytes(), pb.FLOAT32
+    return pb.EmbedReply(embeddings=data, rows=emb.shape[0], dim=emb.shape[1], dtype=dtype,
+                         model=out.model, cache_hits=out.cache_hits, truncated=out.truncated,
+                         timings=pb.Timings(**out.timings_ns), backend=out.backend)
+
+
+class Requests:
+    """The Embedder's Embed and Search, as their proto's bytes in and a reply's bytes out, for both gRPC
+    servers. Raises EmbedcarError (count it: `failure`)."""
+
+    def __init__(self, service: EmbedService, metrics: Metrics, gate: Gate | None = None) -> None:
+        self.service = service
+        self.metrics = metrics
+        self.gate = gate  # refuses at once under overload, before a request is parsed (sidecar.shedding)
+        # Label lookups cost ~15 µs each: bind the hot ones once.
+        self._ok = {"embed": metrics.requests.labels("embed", "ok"), "search": metrics.requests.labels("search", "ok")}
+
+    def failure(self, rpc: str, exc: BaseException) -> EmbedcarError:
+        return failure(self.metrics, rpc, exc)
+
+    def refusal(self) -> Overloaded | None:
+        return self.gate.refusal() if self.gate is not None else None
+
+    def _parsed(self, rpc: str, raw: bytes, deadline: float | None) -> Parsed:
+        refused = self.refusal()  # before the request is parsed: the cheap refusal under overload
+        if refused is not None:
+            raise refused
+        return Parsed(rpc, decode(pb.EmbedRequest if rpc == "embed" else pb.SearchRequest, raw), deadline)
+
+    async def answer(self, rpc: str, raw: bytes, key: str | None, deadline: float | None) -> bytes:
+        """A unary call's reply (rpc "embed" or "search")."""
+        parsed = self._parsed(rpc, raw, deadline)
+        parsed.call = self.service.open(key, model=parsed.request.model or None, deadline=deadline)
+        return await self.reply(parsed)
+
+    async def reply(self, parsed: Parsed) -> bytes:
+        """An admitted unary call's reply (what `now` handed over)."""
+        return bytes((await self.finish(parsed)).SerializeToString())
+
+    def now(self, raw: bytes, key: str | None, deadline: float | None) -> bytes | Parsed:
+        """An Embed call's reply computed on the calling thread (EmbedService.embed_now), or the request
+        parsed and admitted: finish it with `finish` on the loop."""
+        parsed = self._parsed("embed", raw, deadline)
+        call = parsed.call = self.service.open(key, model=parsed.request.model or None, deadline=deadline)
+        out = self.service.embed_now(call, parsed.request.texts)
+        if out is None:
+            return parsed
+        self._ok["embed"].inc()
+        return bytes(_embed_reply(parsed.request, out).SerializeToString())
+
+    async def finish(self, parsed: Parsed) -> pb.EmbedReply | pb.SearchReply:
+        """The reply message of an admitted request; counts it."""
+        assert parsed.call is not None
+        reply: pb.EmbedReply | pb.SearchReply
+        if parsed.rpc == "embed":
+            reply = _embed_reply(parsed.request, await self.service.embed_call(parsed.call, parsed.request.texts))
+        else:
+            reply = await self._search(parsed.request, parsed.call)
+        self._ok[parsed.rpc].inc()
+        return reply
+
+    async def _search(self, req: pb.SearchRequest, call: Call) -> pb.SearchReply:
+        try:  # proto3 enums are open: an unknown number parses, and is refused here
+            mode = pb.SearchMode.Name(req.mode)
+        except ValueError:
+            raise InvalidInput(f"unknown search mode {req.mode}") from None
+        found = await self.service.search_call(call, req.texts, k=req.k, department=req.department,
+                                               aisle=req.aisle, mode=mode)
+        return pb.SearchReply(
+            results=[pb.HitList(hits=[pb.Hit(id=h.id, score=h.score, fields=h.fields, legs=h.legs) for h in hits])
+                     for hits in found.hits],
+            model=found.model, index_version=found.index_version, cache_hits=found.cache_hits,
+            timings=pb.Timings(**found.timings_ns), backend=found.backend)
+
+    def ok(self, rpc: str) -> None:
+        self._ok[rpc].inc()
+
+
+Write = Callable[[bytes], Awaitable[None] | None]
+CreateTask = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
+
+
+class StreamSession:
+    """One Stream call on either gRPC server. The caller's key is checked once, as it opens (Unauthenticated:
+    the stream ends); each message then takes its own rate-limit token (EmbedService.call). Each message
+    passes the gate (`enter`: counted in progress until answered) and is answered by its own task (`spawn`),
+    or at once on the calling thread (`now`), so requests in flight on one stream batch together as
+    separate calls would; an error is that message's reply."""
+
+    def __init__(self, requests: Requests, key: str | None, deadline: float | None) -> None:
+        try:
+            self.tenant = requests.service.keys.tenant_for(key)
+        except EmbedcarError as exc:
+            raise requests.failure("stream", exc) from None
+        self._requests = requests
+        self.deadline = deadline
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.cancelled = False
+
+    def enter(self, raw: bytes) -> bytes | None:
+        """A message's refusal reply under overload (counted), or None: it is in progress until answered."""
+        gate = self._requests.gate
+        refused = gate.enter() if gate is not None else None
+        return None if refused is None else self._error_reply(_stream_id(raw), "stream", refused)
+
+    def leave(self) -> None:
+        if self._requests.gate is not None:
+            self._requests.gate.leave()
+
+    def now(self, raw: bytes) -> bytes | Parsed | None:
+        """After `enter`: a message's reply computed on the calling thread (an Embed that needs no waiting,
+        or an error), or what to finish on the loop with `spawn`: the message parsed (and an Embed admitted),
+        None for one to parse there. The gate is left once a reply is returned."""
+        rid, rpc = 0, "stream"
+        try:
+            parsed = _stream_message(raw, time.monotonic(), self.deadline)
+            rid, rpc = parsed.id, parsed.rpc
+            if rpc != "embed":
+                return None
+            parsed.call = self._call(parsed)
+            out = self._requests.service.embed_now(parsed.call, parsed.request.texts)
+            if out is None:
+                return parsed
+            self._requests.ok("embed")
+            reply = pb.StreamReply(id=rid, embed=_embed_reply(parsed.request, out)).SerializeToString()
+        except Exception as exc:
+            reply = self._failed(raw, rid, rpc, exc)
+        self.leave()
+        return bytes(reply)
+
+    def spawn(self, message: bytes | Parsed, write: Write, create: CreateTask) -> None:
+        """On the loop, after `enter`: a task (made by `create`) answering `message` and writing its reply;
+        the gate is left once it is answered, or cancelled before it ran. Nothing where the caller has left."""
+        if self.cancelled:
+            self.leave()
+            return
+        left = _Once(self.leave)
+        task = create(self._answer(message, write, left))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(left.callback)  # a callback too: a task cancelled before it ran leaves as well
+
+    def cancel(self) -> None:
+        """The caller left: its messages' tasks are cancelled (on the loop)."""
+        self.cancelled = True
+        for task in self.tasks:
+            task.cancel()
+
+    async def _answer(self, message: bytes | Parsed, write: Write, left: _Once) -> None:
+        try:
+            reply = await self.reply(message)
+        finally:
+            left()  # answered: its write waits on the caller, not on the model's capacity
+        written = write(reply)
+        if written is not None:
+            await written
+
+    async def reply(self, message: bytes | Parsed) -> bytes:
+        """A message's reply (an error is its reply)."""
+        rid, rpc = 0, "stream"
+        try:
+            parsed = _stream_message(message, time.monotonic(), self.deadline) if isinstance(message, bytes) \
+                else message
+            rid, rpc = parsed.id, parsed.rpc
+            if parsed.call is None:
+                parsed.call = self._call(parsed)
+            answered: Any = await self._requests.finish(parsed)
+            reply = pb.StreamReply(id=rid, **{rpc: answered})
+        except Exception as exc:
+            return self._failed(message, rid, rpc, exc)
+        return bytes(reply.SerializeToString())
+
+    def _call(self, parsed: Parsed) -> Call:
+        return self._requests.service.call(self.tenant, model=parsed.request.model or None, deadline=parsed.deadline)
+
+    def _failed(self, message: bytes | Parsed, rid: int, rpc: str, exc: Exception) -> bytes:
+        """A message's error reply (counted): the id echoed where it was read (or can be)."""
+        if not rid and isinstance(exc, EmbedcarError) and isinstance(message, bytes):
+            rid = _stream_id(message)
+        return self._error_reply(rid, rpc, exc)
+
+    def _error_reply(self, rid: int, rpc: str, exc: BaseException) -> bytes:
+        err = status(self._requests.failure(rpc, exc))
+        error = pb.StreamError(code=err.grpc.value[0], message=err.message, retry_after_s=err.retry_after_s or 0.0)
+        return bytes(pb.StreamReply(id=rid, error=error).SerializeToString())
+
+
+class _Once:
+    """`fn` called once, however many times this is."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Callable[[], None] | None = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+    def callback(self, _task: object) -> None:
+        self()
