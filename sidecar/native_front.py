@@ -41,8 +41,7 @@ from typing import Any
 
 import grpc
 
-from inference.backends.base import Backend
-from inference.backends.triton import BlockingCall, CallFailed, TritonBackend
+from inference.backends.base import Backend, BlockingCall, CallFailed
 from inference.errors import EmbedcarError, Overloaded, Unavailable
 from inference.grpc_io import EXPERIMENTS, POLLING_IO
 from inference.triton.tls import ClientCredentials
@@ -176,8 +175,9 @@ class NativeFront:
 
     def calls(self, backend: Backend) -> None:
         """Let the front's threads make `backend`'s calls themselves where it has blocking ones (Triton)."""
-        if isinstance(backend, TritonBackend) and self._module is not None and self._lock is not None:
-            backend.use_blocking_channels(functools.partial(open_channel, lock=self._lock, holding=self._holding))
+        calls = backend.blocking()
+        if calls is not None and self._module is not None and self._lock is not None:
+            calls.use_blocking_channels(functools.partial(open_channel, lock=self._lock, holding=self._holding))
 
     def set_serving(self, serving: bool, services: Sequence[str]) -> None:
         """The health status the front's health service gives for each of `services` ("" = the server)."""

@@ -76,6 +76,7 @@ class DirectScheduler(Scheduler):
         self.backend = backend
         self._tokenizer = tokenizer
         self._metrics = metrics
+        self._calls = backend.blocking()  # None: no call on the calling thread (can_run_now says no)
         self._blocking = 0  # run_now calls waiting for the backend (counted while the loop sleeps)
 
     @staticmethod
@@ -100,17 +101,20 @@ class DirectScheduler(Scheduler):
         return Computed(emb, 0, dt, self.backend.name)
 
     def can_run_now(self) -> bool:
-        return self._blocking < BLOCKING_CALLS and self.backend.blocking_ready()
+        return self._calls is not None and self._blocking < BLOCKING_CALLS and self._calls.blocking_ready()
 
     def run_now(self, bucket: int, ids: list[list[int]], deadline: float | None) -> Computed:
         """One blocking call on the calling thread (the compiled front's); the call's channel lets the
         event loop run while it waits (sidecar.native_front)."""
+        calls = self._calls
+        if calls is None:
+            raise NotNow  # can_run_now said no
         timeout = self._timeout(deadline)
         batch = self._tokenizer.batch(ids, length=bucket)
         t0 = time.perf_counter_ns()
         self._blocking += 1
         try:
-            emb = self.backend.embed_blocking(batch, timeout_s=timeout)
+            emb = calls.embed_blocking(batch, timeout_s=timeout)
         except Unavailable as exc:  # whether the backend is down (and the fallback answers) is run()'s call
             raise NotNow from exc
         finally:

@@ -28,13 +28,13 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from inference.backends.base import Backend, Embeddings
+from inference.backends.base import Backend, BlockingCall, BlockingCalls, CallFailed, Embeddings, OpenChannel
 from inference.errors import DeadlineExceeded, EmbedcarError, FailedPrecondition, Internal, InvalidInput, Unavailable
 from inference.manifest import Manifest
 from inference.tokenizer import TokenBatch
@@ -50,21 +50,6 @@ WIRE_TYPES = {np.int32: "INT32", np.int64: "INT64"}
 _LITTLE_ENDIAN = {t: np.dtype(t).newbyteorder("<") for t in WIRE_TYPES}
 OUTPUT = "embedding"
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
-
-# A blocking unary call on one channel: (method, request bytes, timeout_s, metadata) -> reply bytes,
-# raising CallFailed for a status other than OK; and what opens one: (url, channel options, credentials).
-BlockingCall = Callable[[str, bytes, float, Sequence[tuple[str, str]]], bytes]
-OpenChannel = Callable[[str, list[tuple[str, int | str]], ClientCredentials | None], BlockingCall]
-
-
-class CallFailed(Exception):
-    """A blocking call's status other than OK: `code` is gRPC's name for it (UNAVAILABLE, ...)."""
-
-    def __init__(self, code: str, details: str) -> None:
-        super().__init__(f"{code}: {details}")
-        self.code = code
-        self.details = details
-
 
 class VersionNotServed(Unavailable):
     """This Triton does not serve the model version the client serves (another repository, another
@@ -447,6 +432,9 @@ class TritonBackend(Backend):
                 continue  # another URL may be up; embeddings are idempotent, so retry is safe
             return self._answered(ep, reply, batch.shape[0])
         raise all_failed(failed)
+
+    def blocking(self) -> BlockingCalls:
+        return self
 
     def blocking_ready(self) -> bool:
         return self._open_blocking is not None and self.ready()
