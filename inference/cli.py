@@ -1,9 +1,10 @@
-"""`embedcar model prepare` and `embedcar embed`."""
+"""`embedcar model prepare|rollback|show|set-default` and `embedcar embed`."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import json
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from inference.cli_main import register_entry_points
 from inference.embedder import Embedder, load_tokenizer
 from inference.flags import add_flags, flag_overrides
 from inference.manifest import load_manifest
+from inference.model_default import set_default_variant
 from inference.pooling import POOLING_MODES
 from inference.prepare import prepare_model, rollback_model
 from inference.settings import ModelSettings, Settings
@@ -60,6 +62,15 @@ def register_model(sub: Any) -> None:
     show = msub.add_parser("show", help="print the manifest")
     add_flags(show, "model", ModelSettings, "models_dir", "name")  # which model; nothing it runs
     show.set_defaults(func=_show)
+    default = msub.add_parser(
+        "set-default", help="serve VARIANT of model NAME where a sidecar names no variant (written into its "
+                            "manifest; sidecars serving the default roll over to it with its index)")
+    default.add_argument("name", metavar="NAME", help="a prepared model (under --models-dir)")
+    default.add_argument("variant", metavar="VARIANT", help="one of its prepared variants (`model show`)")
+    default.add_argument("--reason", default=None,
+                         help="why, recorded in the manifest (default: set by hand, with the date)")
+    add_flags(default, "model", ModelSettings, "models_dir")
+    default.set_defaults(func=_set_default)
     # Subcommands from higher layers (`model report`, loadtest/bench: it needs the catalog).
     register_entry_points(msub, "embedcar.model_commands")
 
@@ -80,6 +91,14 @@ def _rollback(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     s = settings_from_args(args).model
     print(load_manifest(s.model_dir).to_json())
+    return 0
+
+
+def _set_default(args: argparse.Namespace) -> int:
+    model_dir = settings_from_args(args).model.models_dir / args.name
+    reason = args.reason or f"set by `embedcar model set-default` on {dt.datetime.now(dt.UTC).date().isoformat()}"
+    was = set_default_variant(model_dir, args.variant, reason)
+    print(f"{args.name}: serves {args.variant} by default" + (f" now (was {was})" if was else " (already)"))
     return 0
 
 

@@ -36,6 +36,7 @@ from inference.backends.onnx import OnnxBackend
 from inference.errors import InvalidInput, ModelError
 from inference.files import atomic_write_text
 from inference.manifest import Manifest, load_manifest
+from inference.model_default import set_default_variant
 from inference.runtimes import bf16_unavailable
 from inference.settings import ModelSettings
 from loadtest.bench.model import time_calls, token_batch
@@ -157,9 +158,8 @@ def report_model(settings: Settings, name: str, cfg: ReportConfig, products: Seq
 
 
 def set_defaults(settings: Settings, report: dict[str, Any], say: Say = print) -> dict[str, str]:
-    """Write each model's measured default variant (model_verdict.choose_default) into its manifest,
-    atomically; {name: variant} for the manifests changed. Sidecars serving the model's default
-    (variant "") roll over to it with an index built with it, as for a new version."""
+    """Each model's measured default variant (model_verdict.choose_default), written by the product's
+    `model set-default` (inference/model_default.py); {name: variant} for the manifests changed."""
     changed = {}
     for m in report["models"]:
         choice = choose_default(m, report.get("date", "")[:10])
@@ -167,17 +167,12 @@ def set_defaults(settings: Settings, report: dict[str, Any], say: Say = print) -
             say(f"{m['name']}: no default set: fp32's quality was not measured (--limit 0?)")
             continue
         variant, why = choice
-        model_dir = for_model(settings, m["name"]).model.model_dir
-        manifest = load_manifest(model_dir)
-        if manifest.version_id != m["version_id"]:
-            raise ModelError(f"{model_dir} changed while it was measured ({m['version_id']} -> "
-                             f"{manifest.version_id}): run the report again")
+        was = set_default_variant(for_model(settings, m["name"]).model.model_dir, variant, why,
+                                  expected_version_id=m["version_id"])
         m["default_variant"], m["default_reason"] = variant, why
-        if (manifest.default_variant, manifest.default_reason) == (variant, why):
-            continue
-        dataclasses.replace(manifest, default_variant=variant, default_reason=why).save(model_dir)
-        say(f"{m['name']}: serves {variant} by default now (was {manifest.default_variant}): {why}")
-        changed[m["name"]] = variant
+        if was is not None:
+            say(f"{m['name']}: serves {variant} by default now (was {was}): {why}")
+            changed[m["name"]] = variant
     return changed
 
 

@@ -33,8 +33,9 @@ def register(msub: Any) -> None:
     p.add_argument("--sla-ms", type=float, default=20.0, help="P95 budget the verdict is about (default 20)")
     p.add_argument("--out", type=Path, default=Path("reports/model_report"), help="report folder")
     p.add_argument("--set-default", action="store_true",
-                   help="write each model's default variant from these measurements into its manifest: the fastest "
-                        "within 0.01 nDCG@10 of fp32 (sidecars serving the default roll over to it with its index)")
+                   help="set each model's default variant from these measurements, as `embedcar model set-default` "
+                        "does: the fastest within 0.01 nDCG@10 of fp32 (sidecars serving the default roll over to "
+                        "it with its index)")
     p.set_defaults(func=_report)
 
 
