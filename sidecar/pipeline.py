@@ -6,15 +6,16 @@
 Each stage is a small method with its own timing (sidecar.timings.Timings). Auth, rate limits and
 the index live in sidecar.service; the gRPC and HTTP layers only convert types.
 
-`EmbedPipeline.run_now` is the same stages for one text that needs no waiting, run on the calling
-thread: the compiled gRPC front's, while the event loop sleeps (sidecar.native_front).
+`EmbedPipeline.run_now` drives the same stages for one text that needs no waiting, on the calling
+thread: the compiled gRPC front's, while the event loop sleeps (sidecar.native_front); it hands the
+request back to `run` where a stage would wait (a worker thread, a shared computation, a queue).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,7 +25,7 @@ from inference.buckets import plan_calls
 from inference.errors import DeadlineExceeded, EmbedcarError, InvalidInput, Overloaded, Unavailable
 from inference.text import NFKC_MAX_GROWTH, check_texts, normalize, normalize_texts
 from inference.tokenizer import Encoded, QueryTokenizer
-from sidecar.admission import Admission
+from sidecar.admission import Admission, Ticket
 from sidecar.cache import EmbeddingCache, Entry
 from sidecar.metrics import ModelMetrics
 from sidecar.scheduler import Computed, NotNow, Scheduler
@@ -60,6 +61,7 @@ class Lookup:
     texts: dict[bytes, str] = field(default_factory=dict)  # miss key -> normalised text
     joined: dict[bytes, asyncio.Future[Entry]] = field(default_factory=dict)  # computed by another request
     led: dict[bytes, asyncio.Future[Entry]] = field(default_factory=dict)  # computed by this request
+    entries: dict[bytes, Entry] = field(default_factory=dict)  # miss key -> its entry, once computed or joined
 
 
 class EmbedPipeline:
@@ -90,7 +92,8 @@ class EmbedPipeline:
             normalised = self.normalise(clean)
         else:
             normalised = await self.normalise_big(clean)
-        found = self.lookup(normalised, partition)
+        found = self.find(normalised, partition)
+        self.claim(found, len(normalised))
         tm.cache = time.perf_counter_ns() - t0
         backend = ""
         if found.led:
@@ -103,57 +106,50 @@ class EmbedPipeline:
 
     def run_now(self, texts: Sequence[object], deadline: float, tm: Timings,
                 partition: str | None = None) -> Embedded | None:
-        """`run` on the calling thread for one text that needs no waiting: a cache hit, or a miss no
-        other request is computing while the scheduler can run it at once (Scheduler.can_run_now: the
+        """`run`'s stages on the calling thread, for one text that needs no waiting: a cache hit, or a miss
+        no other request is computing while the scheduler can run it at once (Scheduler.can_run_now: the
         idle micro-batcher, or a Triton call this thread waits for while the loop runs meanwhile).
-        None, with nothing counted, for anything else: the caller then awaits `run` on the loop.
+        None, with nothing counted, where a stage would wait: the caller then awaits `run` on the loop.
         Only while the loop cannot run (sidecar.event_loop): the cache, batcher and admission are its."""
         if len(texts) != 1:
             return None
         t0 = time.perf_counter_ns()
-        (text,) = self.validate(texts)
-        if len(text) > self.one_text_on_loop:
+        clean = self.validate(texts)
+        if len(clean[0]) > self.one_text_on_loop:
             return None  # the loop is stopped while this runs: `run` normalises it on a worker thread
-        norm = normalize(text, lowercase=self.lowercase, limit=self.read_chars)
-        if len(norm) > self.max_request_chars:
-            return None  # `run` refuses it
-        key = self.cache.key(norm, partition)
-        hit = self.cache.get(key)
-        if hit is None and partition is not None:
-            hit = self.cache.get(self.cache.key(norm))
-        if hit is None and (self.cache.joinable(key) is not None or not self.scheduler.can_run_now()):
-            return None
-        out = np.empty((1, self.dim), dtype=np.float32)
-        if hit is not None:
-            self.metrics.cache_hits.inc()
-            tm.cache = time.perf_counter_ns() - t0
-            out[0] = hit.vector
-            return Embedded(out, [True], [hit.truncated], [hit.tokens])
-        t1 = time.perf_counter_ns()
-        tm.cache = t1 - t0
-        try:
-            enc = self.tokenizer.encode([norm])
-            ((bucket, _chunk),) = plan_calls(enc.lengths, self.tokenizer.buckets, self.max_items_per_call)
-            ticket = self.admission.admit(1, bucket, deadline)
-            tm.tokenize = time.perf_counter_ns() - t1
+        found = self.find(self.normalise(clean), partition)
+        if found.rows and (any(self.cache.joinable(key) is not None for key in found.rows)
+                           or not self.scheduler.can_run_now()):
+            return None  # a shared computation to join, or a queue to wait in
+        tm.cache = time.perf_counter_ns() - t0
+        backend = ""
+        if found.rows:
+            t1 = time.perf_counter_ns()
+            keys = list(found.rows)
             try:
-                computed = self.scheduler.run_now(bucket, [enc.ids[0]], deadline)
-            finally:
-                self.admission.release(ticket)
-        except NotNow:
-            return None  # counted by `run` on the loop
-        except BaseException as exc:
-            self.metrics.cache_misses.inc()
-            self._record_error(exc)
-            raise
-        self.metrics.cache_misses.inc()
-        entry = Entry(computed.embeddings[0], enc.truncated[0], len(enc.ids[0]))
-        self.cache.put(key, entry)
-        self.metrics.cache_entries.set(len(self.cache))
-        tm.inference = computed.inference_ns
-        self.metrics.answered(computed.backend)
-        out[0] = entry.vector
-        return Embedded(out, [False], [entry.truncated], [entry.tokens], computed.backend)
+                enc = self.tokenizer.encode([found.texts[key] for key in keys])
+                calls, ticket = self.plan(enc, deadline)
+                tm.tokenize = time.perf_counter_ns() - t1
+                try:
+                    results = self.schedule_now(calls, enc, deadline)
+                finally:
+                    self.admission.release(ticket)
+            except NotNow:
+                return None  # counted by `run` on the loop
+            except BaseException as exc:
+                self.count(found, 1)
+                self._record_error(exc)
+                raise
+            self.count(found, 1)
+            for key, entry in self.entries(keys, calls, results, enc):
+                found.entries[key] = entry
+                self.cache.put(key, entry)
+            backend = self.answered(results, tm)
+        else:
+            self.count(found, 1)
+        out = self.assemble(found, 1)
+        out.backend = backend
+        return out
 
     # --- stages ------------------------------------------------------------------------------
     def validate(self, texts: Sequence[object]) -> list[str]:
@@ -182,10 +178,9 @@ class EmbedPipeline:
             return self.normalise(clean)
         return await asyncio.to_thread(self.normalise, clean)
 
-    def lookup(self, normalised: list[str], partition: str | None = None) -> Lookup:
-        """Cache hits; each distinct miss is joined to another request's computation or led by this one.
-        A partition's lookup also finds the shared entries (the operator's warm queries): only
-        requests of no partition write those."""
+    def find(self, normalised: list[str], partition: str | None = None) -> Lookup:
+        """Cache hits, and each distinct miss's rows. A partition's lookup also finds the shared entries
+        (the operator's warm queries): only requests of no partition write those."""
         out = Lookup()
         cache = self.cache
         for i, norm in enumerate(normalised):
@@ -200,19 +195,27 @@ class EmbedPipeline:
             else:
                 out.rows[key] = [i]
                 out.texts[key] = norm
-        for key in out.rows:
+        return out
+
+    def claim(self, found: Lookup, n: int) -> None:
+        """Single-flight: each distinct miss joined to another request's computation or led by this one."""
+        cache = self.cache
+        for key in found.rows:
             fut = cache.joinable(key)
             if fut is not None:
-                out.joined[key] = fut
+                found.joined[key] = fut
             else:
-                out.led[key] = cache.lead(key)
-        if out.hits:
-            self.metrics.cache_hits.inc(len(out.hits))
-        if out.rows:
-            self.metrics.cache_misses.inc(len(normalised) - len(out.hits))
-        if out.joined:
-            self.metrics.singleflight_joins.inc(len(out.joined))
-        return out
+                found.led[key] = cache.lead(key)
+        self.count(found, n)
+
+    def count(self, found: Lookup, n: int) -> None:
+        """The cache's metrics for a request of `n` texts."""
+        if found.hits:
+            self.metrics.cache_hits.inc(len(found.hits))
+        if found.rows:
+            self.metrics.cache_misses.inc(n - len(found.hits))
+        if found.joined:
+            self.metrics.singleflight_joins.inc(len(found.joined))
 
     async def compute(self, found: Lookup, deadline: float, tm: Timings) -> str:
         """Encode, bucket/split, admit and schedule the misses this request leads; settle their futures.
@@ -221,8 +224,7 @@ class EmbedPipeline:
         try:
             t0 = time.perf_counter_ns()
             enc = await self.encode([found.texts[k] for k, _f in led])
-            calls = plan_calls(enc.lengths, self.tokenizer.buckets, self.max_items_per_call)
-            ticket = self.admission.admit(len(led), sum(b * len(c) for b, c in calls), deadline)
+            calls, ticket = self.plan(enc, deadline)
             tm.tokenize = time.perf_counter_ns() - t0
             try:
                 results = await self.schedule(calls, enc, deadline)
@@ -236,10 +238,26 @@ class EmbedPipeline:
             for key, fut in led:
                 self.cache.finish(key, fut, None, shared)
             raise
+        for key, entry in self.entries(list(found.led), calls, results, enc):
+            found.entries[key] = entry
+            self.cache.finish(key, found.led[key], entry)
+        return self.answered(results, tm)
+
+    def plan(self, enc: Encoded, deadline: float) -> tuple[list[tuple[int, list[int]]], Ticket]:
+        """Bucket/split the encoded texts into backend calls, and admit them (release the ticket after)."""
+        calls = plan_calls(enc.lengths, self.tokenizer.buckets, self.max_items_per_call)
+        return calls, self.admission.admit(len(enc.ids), sum(b * len(c) for b, c in calls), deadline)
+
+    @staticmethod
+    def entries(keys: list[bytes], calls: list[tuple[int, list[int]]], results: list[Computed],
+                enc: Encoded) -> Iterator[tuple[bytes, Entry]]:
+        """Each computed text's cache entry, by its key (`keys[i]`: the i-th encoded text's)."""
         for (_bucket, chunk), r in zip(calls, results, strict=True):
             for row, i in enumerate(chunk):
-                key, fut = led[i]
-                self.cache.finish(key, fut, Entry(r.embeddings[row], enc.truncated[i], len(enc.ids[i])))
+                yield keys[i], Entry(r.embeddings[row], enc.truncated[i], len(enc.ids[i]))
+
+    def answered(self, results: list[Computed], tm: Timings) -> str:
+        """The computed misses' timings and metrics; the name(s) of the backend that answered."""
         self.metrics.cache_entries.set(len(self.cache))
         tm.queue = max(r.queue_ns for r in results)
         tm.inference = max(r.inference_ns for r in results)
@@ -261,14 +279,18 @@ class EmbedPipeline:
         return list(await asyncio.gather(*(run(bucket, [enc.ids[i] for i in chunk], deadline)
                                            for bucket, chunk in calls)))
 
+    def schedule_now(self, calls: list[tuple[int, list[int]]], enc: Encoded, deadline: float) -> list[Computed]:
+        """`schedule` on the calling thread (after Scheduler.can_run_now); NotNow: hand it to `run`."""
+        return [self.scheduler.run_now(bucket, [enc.ids[i] for i in chunk], deadline) for bucket, chunk in calls]
+
     async def join(self, found: Lookup, deadline: float) -> None:
         """Wait for the computations this request joined, within its own deadline."""
-        for fut in found.joined.values():
+        for key, fut in found.joined.items():
             left = deadline - time.monotonic()
             try:
                 if left <= 0:
                     raise TimeoutError
-                await asyncio.wait_for(asyncio.shield(fut), left)
+                found.entries[key] = await asyncio.wait_for(asyncio.shield(fut), left)
             except TimeoutError as exc:
                 raise DeadlineExceeded("deadline expired waiting for a shared inference") from exc
 
@@ -278,9 +300,8 @@ class EmbedPipeline:
         for i, e in found.hits.items():
             out[i], hits[i], truncated[i], tokens[i] = e.vector, True, e.truncated, e.tokens
         for key, idx in found.rows.items():
-            # The future itself, not the cache: the cache may be off or have evicted the entry already.
-            fut = found.led.get(key) or found.joined[key]
-            e = fut.result()
+            # The request's own entry, not the cache's: the cache may be off or have evicted it already.
+            e = found.entries[key]
             for i in idx:
                 out[i], truncated[i], tokens[i] = e.vector, e.truncated, e.tokens
         return Embedded(out, hits, truncated, tokens)
