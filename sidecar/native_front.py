@@ -8,10 +8,10 @@ cold caches on a shared host. The front's gRPC thread takes the call and, where 
 message) needs no waiting (one text, a cache hit or the model idle while queries come sparsely:
 EmbedPipeline.run_now), answers it itself while the event loop sleeps (`sidecar.event_loop`): one
 thread woken per query. Anything else (a busy model, several texts, Search, a loop that is awake) goes
-to the event loop and the same servicer as grpc.aio's, so replies, errors, metrics and limits are the
-same. Health is gRPC C++'s own service (its status set by the sidecar: `set_serving`); reflection is
-answered on the gRPC thread by grpc_reflection's servicer, one reply per request, after the stream's key
-is checked as it opens. No caller's metadata is ever copied into another gRPC call (gRPC's client side
+to the event loop and the same requests as grpc.aio's (sidecar.calls: `Requests`, `StreamSession`), so
+replies, errors, metrics and limits are the same. Health is gRPC C++'s own service (its status set by
+the sidecar: `set_serving`); reflection is answered on the gRPC thread by grpc_reflection's servicer,
+one reply per request, after the stream's key is checked as it opens. No caller's metadata is ever copied into another gRPC call (gRPC's client side
 asserts on headers its server side accepts: one odd header used to abort the process).
 
 On the Triton backend the front's thread makes the Triton call itself, through the module's

@@ -4,8 +4,11 @@
     (sidecar.pipeline) -> [Search: that model's index: FAISS | tantivy | both fused] -> outcome
 
 Everything between the texts and their embeddings is the pipeline's; this module adds who may
-call, which model answers, the default deadline, and the product index. A request resolves its
-model once: the vector and the index of one Search reply are always the same model version's.
+call, which model answers, the default deadline, and the product index. Each request becomes one
+`Call` as it is admitted (`open`: key + rate limit + model; `caller` then `call` where the key was
+checked apart, for a Stream or by the HTTP gate), carried to whichever thread finishes it: the key is
+checked, the token taken and the tenant found once, and the vector and the index of one Search reply
+are always the same model version's.
 A LEXICAL search embeds nothing.
 
 Where the API keys name several tenants, each tenant's requests use their own cache partition
