@@ -11,8 +11,9 @@ thread woken per query. Anything else (a busy model, several texts, Search, a lo
 to the event loop and the same requests as grpc.aio's (sidecar.calls: `Requests`, `StreamSession`), so
 replies, errors, metrics and limits are the same. Health is gRPC C++'s own service (its status set by
 the sidecar: `set_serving`); reflection is answered on the gRPC thread by grpc_reflection's servicer,
-one reply per request, after the stream's key is checked as it opens. No caller's metadata is ever copied into another gRPC call (gRPC's client side
-asserts on headers its server side accepts: one odd header used to abort the process).
+one reply per request, after the stream's key is checked as it opens. No caller's metadata is ever
+copied into another gRPC call (gRPC's client side asserts on headers its server side accepts: one odd
+header used to abort the process).
 
 On the Triton backend the front's thread makes the Triton call itself, through the module's
 blocking client (`open_channel`), and lets go of the loop while it waits: the loop may run meanwhile,
