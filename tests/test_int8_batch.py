@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import pytest
 
-from inference import export, model_build, runtimes
+from inference import export, model_checks, runtimes
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import load_tokenizer
 from inference.head import Head
@@ -64,7 +64,7 @@ def test_the_check_catches_dynamic_int8(tmp_path: Path, model_dir: Path, manifes
     assert export.quantize_int8(fp32, static, feeds) > 0
     head = Head.from_manifest(model_dir, manifest)
     texts = [*export.CHECK_TEXTS, "greek yogurt"]
-    drift = {p.name: model_build.batch_drift(runtimes.open_graph(p, "int8", 2), calibration, head, texts)
+    drift = {p.name: model_checks.batch_drift(runtimes.open_graph(p, "int8", 2), calibration, head, texts)
              for p in (dynamic, static)}
     assert drift["dynamic.onnx"]["batch_max_abs"] > export.BATCH_MAX_ABS, drift
     assert drift["static.onnx"]["batch_max_abs"] <= export.BATCH_MAX_ABS, drift
