@@ -214,35 +214,16 @@ class TritonSettings:
                                min=0, advanced=True)
     probe_interval_s: float = setting(0.5, "Client: how often each Triton URL is probed for readiness.",
                                       min=0.01, advanced=True)
-    # --- a Triton pool reached from other machines (docs/scale.md "Securing the pool") -----------
-    profile: str = setting(
-        "local", "local: plaintext, every API open (one host, loopback: make demo, tests). hardened: the "
-        "launcher serves gRPC over TLS with API groups behind header keys, HTTP on loopback only, model "
-        "control off; clients (sidecar, catalog job) connect with TLS and send the keys. Set it on both "
-        "sides of a pool.", choices=("local", "hardened"))
-    tls_ca_file: Path | None = setting(
-        None, "Hardened: PEM CA certificate that signed the pool's certificates (clients verify Triton with "
-        "it; Triton verifies clients with it under tls_mutual). `embedcar triton certs` makes one.")
-    tls_server_cert_file: Path | None = setting(None, "Hardened, the Triton host: its PEM certificate.")
-    tls_server_key_file: Path | None = setting(None, "Hardened, the Triton host: its PEM private key (0600).")
-    tls_client_cert_file: Path | None = setting(
-        None, "Hardened, a client: its PEM certificate, presented under mutual TLS (empty: none).")
-    tls_client_key_file: Path | None = setting(None, "Hardened, a client: its PEM private key (0600).")
-    tls_mutual: bool = setting(
-        True, "Hardened, the Triton host: require a client certificate signed by tls_ca_file (mutual TLS).")
-    tls_server_name: str = setting(
-        "", "Hardened, a client: the name to check Triton's certificate against when the URL's host is "
-        "not in it (empty: the URL's host).")
-    client_key_file: Path | None = setting(
-        None, "Hardened: file holding the shared key for inference, health, metadata and model config "
-        "(sidecars, the catalog job). Required in the hardened profile.")
-    operator_key_file: Path | None = setting(
-        None, "Hardened: file holding the operator key for statistics, trace, logging, shared memory and "
-        "the model repository API; unset on Triton = those APIs are off (a random key nobody holds); "
-        "unset on a client = it does not send one (the load test's statistics need it).")
+    # --- a Triton pool reached from other machines (docs/scale.md "Securing the Triton pool") ---
+    tls_dir: Path | None = setting(
+        None, "Unset: plaintext with every API open (one host, loopback: make demo, tests). Set: the hardened "
+        "profile, on both sides of a pool: this machine's folder from `embedcar triton certs` (ca.pem; a Triton "
+        "host's server.pem + server.key, a client's client.pem + client.key; client_key.txt; operator_key.txt "
+        "where the operator's APIs are wanted). Triton then serves gRPC over mutual TLS with API groups behind "
+        "those keys, HTTP on loopback only, model control off; clients connect with TLS and send the keys.")
     metrics_host: str = setting(
-        "", "Address Triton's Prometheus metrics bind to; empty = host in the local profile, 127.0.0.1 in "
-        "the hardened one (set it to the monitoring interface).", advanced=True)
+        "", "Address Triton's Prometheus metrics bind to; empty = host, or 127.0.0.1 in the hardened profile "
+        "(tls_dir set; set this to the monitoring interface).", advanced=True)
 
 
 @dataclass(frozen=True, slots=True)

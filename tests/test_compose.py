@@ -13,6 +13,8 @@ import pytest
 
 from embedcar_settings import Settings
 from inference.manifest import Manifest
+from inference.triton import tls
+from inference.triton.certs import make_pool_certs
 from inference.triton.tls import LOCKED_FLAGS, restricted_flags
 
 # PyYAML arrives with uvicorn[standard]; imported untyped so the check holds with or without its stubs.
@@ -86,20 +88,27 @@ def _mounts(service: dict[str, Any]) -> dict[str, tuple[str, bool]]:
     """container path -> (source, read-only)."""
     out = {}
     for v in service["volumes"]:
-        parts = v.split(":")
+        parts = _unset(v).split(":")
         out[parts[1]] = (parts[0], parts[2:] == ["ro"])
     return out
 
 
-def test_triton_is_hardened(compose: dict[str, Any]) -> None:
-    """TLS (mutual), the API groups of inference/triton/tls.py behind the key files, model control off,
-    repository read-only, not root; the sidecar and the catalog job are clients of that profile."""
+def test_triton_is_hardened(compose: dict[str, Any], tmp_path: Path) -> None:
+    """Mutual TLS, the API groups of inference/triton/tls.py behind the key files, model control off,
+    repository read-only, not root; the sidecar and the catalog job are clients of that profile. Each
+    mounts a folder that `embedcar triton certs --hosts triton` (the default client: sidecar) writes, with
+    the files the command line and the clients read."""
+    pool = make_pool_certs(tmp_path / "var/secrets/triton", ["triton"])
     t = compose["services"]["triton"]
     entry = _entry(t)
     mounts = _mounts(t)
-    secrets_dir = next(c for c, (src, _ro) in mounts.items() if src == "./var/secrets/triton")
-    assert mounts[secrets_dir][1], "secrets read-only"
+    secrets_dir, (host_dir, ro) = next((c, m) for c, m in mounts.items() if m[0].startswith("./var/secrets/triton/"))
+    assert ro, "secrets read-only"
+    assert (tmp_path / host_dir).resolve() == pool.dirs["triton"].resolve()
+    for name in (tls.CA_CERT, tls.SERVER_CERT, tls.SERVER_KEY, tls.CLIENT_KEY_FILE, tls.OPERATOR_KEY_FILE):
+        assert (pool.dirs["triton"] / name).is_file() and f"{secrets_dir}/{name}" in entry, name
     for flag in ("--grpc-use-ssl=true", "--grpc-use-ssl-mutual=true", f"--grpc-root-cert={secrets_dir}/ca.pem",
+                 f"--grpc-server-cert={secrets_dir}/server.pem", f"--grpc-server-key={secrets_dir}/server.key",
                  *LOCKED_FLAGS,
                  *restricted_flags(f"$(cat {secrets_dir}/client_key.txt)", f"$(cat {secrets_dir}/operator_key.txt)")):
         assert flag in entry, flag
@@ -110,11 +119,11 @@ def test_triton_is_hardened(compose: dict[str, Any]) -> None:
     for name in ("sidecar", "catalog"):
         svc = compose["services"][name]
         s = Settings.load(environ=_env(svc)).triton
-        client_mounts = _mounts(svc)
-        assert s.profile == "hardened", name
-        for f in (s.tls_ca_file, s.tls_client_cert_file, s.tls_client_key_file, s.client_key_file):
-            assert f is not None and f.parent.as_posix() in client_mounts, (name, f)
-            assert client_mounts[f.parent.as_posix()] == ("./var/secrets/triton", True)
+        assert tls.hardened(s) and s.tls_dir is not None, name
+        src, ro = _mounts(svc)[s.tls_dir.as_posix()]
+        assert ro and (tmp_path / src).resolve() == pool.dirs["sidecar"].resolve(), (name, src)
+        # The folder holds what a client reads: checked as the sidecar checks it at start-up.
+        assert tls.client_credentials(s.__class__(tls_dir=tmp_path / src)) is not None
 
 
 def test_entrypoint_builds_engine_into_cache_then_serves(compose: dict[str, Any], manifest: Manifest) -> None:
@@ -208,7 +217,7 @@ def test_a_pool_is_set_by_variables_that_default_to_one_host(compose: dict[str, 
 def test_bind_mount_sources_are_project_folders(compose: dict[str, Any]) -> None:
     for svc in compose["services"].values():
         for v in svc.get("volumes", []):
-            src = v.split(":")[0]
+            src = _unset(v).split(":")[0]
             if src.startswith("./"):
                 assert src.split("/")[1] in {"models", "indexes", "inference", "var"}, src
 

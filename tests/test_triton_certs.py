@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import shutil
 import stat
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from cryptography import x509
 
 from inference.errors import FailedPrecondition, InvalidInput
 from inference.settings import Settings, TritonSettings
+from inference.triton import tls
 from inference.triton.certs import PoolFiles, make_pool_certs
 from inference.triton.tls import ClientCredentials, client_credentials, server_flags
 
@@ -28,14 +30,23 @@ def _mode(p: Path) -> int:
     return stat.S_IMODE(p.stat().st_mode)
 
 
-def hardened(pool: PoolFiles, **changes: object) -> TritonSettings:
-    cert, key = pool.hosts["triton-a"]
-    ccert, ckey = pool.clients["sidecar"]
-    base = Settings.load(environ={}).with_section(
-        "triton", profile="hardened", tls_ca_file=pool.ca_cert, tls_server_cert_file=cert, tls_server_key_file=key,
-        tls_client_cert_file=ccert, tls_client_key_file=ckey, client_key_file=pool.client_key,
-        operator_key_file=pool.operator_key)
-    return base.with_section("triton", **changes).triton
+def hardened(folder: Path) -> TritonSettings:
+    return Settings.load(environ={}).with_section("triton", tls_dir=folder).triton
+
+
+def tls_dir(pool: PoolFiles, tmp_path: Path, *, host: str | None = "triton-a", client: str | None = "sidecar",
+            operator_key: bool = True) -> Path:
+    """One folder holding `host`'s and `client`'s files, as on a host running both (Triton and a sidecar)."""
+    out = tmp_path / "tls"
+    out.mkdir()
+    for name in (host, client):
+        for f in pool.dirs[name].iterdir() if name else ():
+            shutil.copy2(f, out / f.name)
+    if operator_key:
+        shutil.copy2(pool.operator_key, out / tls.OPERATOR_KEY_FILE)
+    else:
+        (out / tls.OPERATOR_KEY_FILE).unlink(missing_ok=True)
+    return out
 
 
 def test_keys_0600_and_certificates_name_their_hosts(pool: PoolFiles) -> None:
@@ -59,17 +70,34 @@ def test_keys_0600_and_certificates_name_their_hosts(pool: PoolFiles) -> None:
     assert pool.client_key.read_text().strip() != pool.operator_key.read_text().strip()
 
 
+def test_a_folder_per_machine_under_fixed_names(pool: PoolFiles) -> None:
+    """What each machine's triton.tls_dir holds: a host everything Triton reads, a client never the
+    operator key; the keys and CA are the pool's."""
+    host = {"ca.pem", "server.pem", "server.key", "client_key.txt", "operator_key.txt"}
+    client = {"ca.pem", "client.pem", "client.key", "client_key.txt"}
+    for name, want in (("triton-a", host), ("10.0.0.5", host), ("sidecar", client), ("job", client)):
+        folder = pool.dirs[name]
+        assert {p.name for p in folder.iterdir()} == want, name
+        assert (folder / "ca.pem").read_bytes() == pool.ca_cert.read_bytes()
+        assert (folder / "client_key.txt").read_bytes() == pool.client_key.read_bytes()
+        for secret in want - {"ca.pem", "server.pem", "client.pem"}:
+            assert _mode(folder / secret) == 0o600, (name, secret)
+    assert pool.hosts["triton-a"] == (pool.dirs["triton-a"] / "server.pem", pool.dirs["triton-a"] / "server.key")
+    assert (pool.dirs["triton-a"] / "operator_key.txt").read_bytes() == pool.operator_key.read_bytes()
+
+
 def test_second_run_keeps_ca_and_keys(tmp_path: Path) -> None:
     first = make_pool_certs(tmp_path, ["a"])
     ca, key = first.ca_cert.read_bytes(), first.client_key.read_text()
     second = make_pool_certs(tmp_path, ["b"])
     assert second.ca_cert.read_bytes() == ca and second.client_key.read_text() == key
+    assert (second.dirs["b"] / "client_key.txt").read_text() == key
     b = x509.load_pem_x509_certificate(second.hosts["b"][0].read_bytes())
     b.verify_directly_issued_by(x509.load_pem_x509_certificate(ca))
 
 
 def test_bad_names_refused(tmp_path: Path) -> None:
-    for hosts in ([], ["../etc"], ["a b"], ["ca"]):
+    for hosts in ([], ["../etc"], ["a b"], ["ca.pem"], ["ca.key"]):
         with pytest.raises(InvalidInput):
             make_pool_certs(tmp_path, hosts)
 
@@ -78,29 +106,47 @@ def test_cli_writes_the_pool(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "inference.cli_main", "triton", "certs", "--hosts", "t1,t2",
                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert {"ca.pem", "ca.key", "t1.pem", "t1.key", "t2.pem", "sidecar.pem", "sidecar.key"} <= \
+    assert {"ca.pem", "ca.key", "client_key.txt", "operator_key.txt", "t1", "t2", "sidecar"} == \
         {p.name for p in tmp_path.iterdir()}
+    assert {"server.pem", "server.key"} <= {p.name for p in (tmp_path / "t2").iterdir()}
+    assert f"EMBEDCAR_TRITON_TLS_DIR={tmp_path / 'sidecar'}" in out.stdout
     key = (tmp_path / "client_key.txt").read_text().strip()
     assert key not in out.stdout + out.stderr  # the command names the files, never prints a key
 
 
 def test_local_profile_has_no_credentials() -> None:
-    assert client_credentials(Settings.load(environ={}).triton) is None
+    t = Settings.load(environ={}).triton
+    assert t.tls_dir is None and not tls.hardened(t)
+    assert client_credentials(t) is None and tls.secret_markers(t) == []
 
 
-def test_client_credentials_read_and_never_shown(pool: PoolFiles) -> None:
-    creds = client_credentials(hardened(pool))
+def test_client_credentials_read_and_never_shown(pool: PoolFiles, tmp_path: Path) -> None:
+    creds = client_credentials(hardened(tls_dir(pool, tmp_path, host=None)))
     assert isinstance(creds, ClientCredentials)
     key = pool.client_key.read_text().strip()
     assert creds.metadata == (("triton-grpc-protocol-embedcar-key", key),)
     assert creds.operator_metadata[0][1] == pool.operator_key.read_text().strip()
+    assert creds.cert_chain == pool.clients["sidecar"][0].read_bytes()
     assert key not in repr(creds) and b"PRIVATE" not in repr(creds).encode()
+    # A client's own folder, as written: no operator key, so no operator header.
+    plain = client_credentials(hardened(pool.dirs["sidecar"]))
+    assert plain is not None and plain.operator_metadata == ()
 
 
-def test_server_flags(pool: PoolFiles) -> None:
-    flags = server_flags(hardened(pool))
+def test_a_host_folder_serves_as_a_client_folder(pool: PoolFiles) -> None:
+    """The launcher's own checks and a load test on the Triton host: the host certificate, client usage."""
+    creds = client_credentials(hardened(pool.dirs["triton-a"]))
+    assert creds is not None and creds.cert_chain == pool.hosts["triton-a"][0].read_bytes()
+    assert creds.operator_metadata  # the host's folder holds the operator key
+
+
+def test_server_flags(pool: PoolFiles, tmp_path: Path) -> None:
+    flags = server_flags(hardened(pool.dirs["triton-a"]))
     joined = " ".join(flags.args)
+    folder = pool.dirs["triton-a"]
     for flag in ("--grpc-use-ssl=true", "--grpc-use-ssl-mutual=true", "--model-control-mode=none",
+                 f"--grpc-server-cert={folder / 'server.pem'}", f"--grpc-server-key={folder / 'server.key'}",
+                 f"--grpc-root-cert={folder / 'ca.pem'}",
                  "--grpc-restricted-protocol=health,metadata,model-config,inference:embedcar-key=",
                  "--grpc-restricted-protocol=shared-memory,model-repository,statistics,trace,logging:"):
         assert flag in joined, flag
@@ -109,35 +155,46 @@ def test_server_flags(pool: PoolFiles) -> None:
     shown = " ".join(flags.redacted()) + repr(flags)
     assert key not in shown and op not in shown and "<redacted>" in shown
     # No operator key: the operator group is still restricted, by a fresh key nobody holds.
-    off = server_flags(hardened(pool, operator_key_file=None))
+    off = server_flags(hardened(tls_dir(pool, tmp_path, client=None, operator_key=False)))
     assert op not in " ".join(off.args) and len(off.secrets) == 2
+    with pytest.raises(FailedPrecondition, match=r"triton.tls_dir .*: no server.pem"):
+        server_flags(hardened(pool.dirs["sidecar"]))  # a client's folder cannot serve
 
 
 @pytest.mark.parametrize(("change", "named"), [
-    ({"tls_ca_file": Path("/nonexistent/ca.pem")}, "triton.tls_ca_file /nonexistent/ca.pem"),
-    ({"client_key_file": None}, "triton.client_key_file"),
-    ({"tls_client_key_file": "host-key"}, "triton.tls_client_key_file does not belong"),
-    ({"tls_client_cert_file": "foreign", "tls_client_key_file": "foreign-key"}, "was not issued by the CA"),
+    ({"ca.pem": None}, "no ca.pem"),
+    ({"client_key.txt": None}, "no client_key.txt"),
+    ({"client.key": None}, "no client.key"),
+    ({"client.key": "host-key"}, "client.key does not belong to triton.tls_dir"),
+    ({"client.pem": "foreign", "client.key": "foreign-key"}, "was not issued by the CA"),
+    ({"ca.pem": "garbage"}, "ca.pem: not a PEM certificate"),
 ])
-def test_wrong_client_files_named(pool: PoolFiles, tmp_path: Path, change: dict[str, object], named: str) -> None:
+def test_wrong_client_files_named(pool: PoolFiles, tmp_path: Path, change: dict[str, str | None], named: str) -> None:
     foreign = make_pool_certs(tmp_path / "other", ["x"], ["sidecar"])
-    named_files = {"host-key": pool.hosts["triton-a"][1], "foreign": foreign.clients["sidecar"][0],
-                   "foreign-key": foreign.clients["sidecar"][1]}
-    values = {k: named_files.get(str(v), v) for k, v in change.items()}
-    with pytest.raises(FailedPrecondition, match=named):
-        client_credentials(hardened(pool, **values))
+    (tmp_path / "garbage").write_text("not a certificate\n")
+    sources = {"host-key": pool.hosts["triton-a"][1], "foreign": foreign.clients["sidecar"][0],
+               "foreign-key": foreign.clients["sidecar"][1], "garbage": tmp_path / "garbage"}
+    folder = tls_dir(pool, tmp_path, host=None)
+    for name, source in change.items():
+        (folder / name).unlink()
+        if source is not None:
+            shutil.copy2(sources[source], folder / name)
+    with pytest.raises(FailedPrecondition, match=named) as info:
+        client_credentials(hardened(folder))
+    assert "\n" not in info.value.message and str(folder) in info.value.message
 
 
 def test_a_bad_key_file_is_named_not_shown(pool: PoolFiles, tmp_path: Path) -> None:
-    bad = tmp_path / "key.txt"
+    folder = tls_dir(pool, tmp_path)
+    bad = folder / "client_key.txt"
     bad.write_text("short secret!\n")
     with pytest.raises(FailedPrecondition) as info:
-        client_credentials(hardened(pool, client_key_file=bad))
+        client_credentials(hardened(folder))
     assert str(bad) in info.value.message and "short secret" not in info.value.message
-    pem = tmp_path / "garbage.key"
+    pem = folder / "server.key"
     pem.write_text("-----BEGIN PRIVATE KEY-----\nc2VjcmV0LXN0dWZm\n-----END PRIVATE KEY-----\n")
     with pytest.raises(FailedPrecondition) as info2:
-        server_flags(hardened(pool, tls_server_key_file=pem))
+        server_flags(hardened(folder))
     assert "c2VjcmV0" not in info2.value.message and str(pem) in info2.value.message
 
 
@@ -167,7 +224,7 @@ def test_the_fault_suite_finds_a_leaked_key(pool: PoolFiles, tmp_path: Path) -> 
     from loadtest.faults.common import check_no_key_material
     from loadtest.faults.result import ScenarioResult
 
-    t = hardened(pool)
+    t = hardened(tls_dir(pool, tmp_path))
     (tmp_path / "sidecar.log").write_text("INFO started\n")
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "tritonserver.log").write_text("I1202 ready\n")

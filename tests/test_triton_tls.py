@@ -12,6 +12,7 @@ import importlib
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -65,14 +66,23 @@ def foreign(tmp_path_factory: pytest.TempPathFactory) -> PoolFiles:
     return make_pool_certs(tmp_path_factory.mktemp("foreign"), ["triton-x"], ["intruder"])
 
 
+def copy_dir(*sources: Path, to: Path, drop: tuple[str, ...] = (), replace: dict[str, Path] | None = None) -> Path:
+    """A tls_dir made of `sources`' files (later ones win), less `drop`, with `replace`'s files put in."""
+    to.mkdir(parents=True)
+    for folder in sources:
+        for f in folder.iterdir():
+            shutil.copy2(f, to / f.name)
+    for name in drop:
+        (to / name).unlink()
+    for name, src in (replace or {}).items():
+        shutil.copy2(src, to / name)
+    return to
+
+
 def hardened_settings(settings: Settings, pool: PoolFiles, root: Path) -> Settings:
-    cert, key = pool.hosts["triton-a"]
-    ccert, ckey = pool.clients["sidecar"]
-    return settings.with_section(
-        "triton", repo_dir=root / "repo", backend_dir=root / "backends", profile="hardened",
-        tls_ca_file=pool.ca_cert, tls_server_cert_file=cert, tls_server_key_file=key,
-        tls_client_cert_file=ccert, tls_client_key_file=ckey, tls_mutual=True, client_key_file=pool.client_key,
-        operator_key_file=pool.operator_key)
+    """Triton host triton-a with the sidecar's client certificate beside it (the launcher presents that)."""
+    tls_dir = copy_dir(pool.dirs["triton-a"], pool.dirs["sidecar"], to=root / "tls")
+    return settings.with_section("triton", repo_dir=root / "repo", backend_dir=root / "backends", tls_dir=tls_dir)
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +137,9 @@ async def test_tls_client_with_key_embeds(hs: Settings, server: TritonServer, on
 
 
 async def test_client_without_operator_key_reads_no_statistics(hs: Settings, server: TritonServer,
-                                                                manifest: Manifest) -> None:
-    creds = client_credentials(hs.triton.__class__(**{**_fields(hs.triton), "operator_key_file": None}))
+                                                                manifest: Manifest, pool: PoolFiles) -> None:
+    creds = client_credentials(hs.with_section("triton", tls_dir=pool.dirs["sidecar"]).triton)  # as written
+    assert creds is not None and creds.operator_key is None
     backend = TritonBackend([server.grpc_url], manifest, variant="fp32", credentials=creds, timeout_s=10.0)
     await backend.start()  # inference, health, metadata and config: the sidecar key suffices
     try:
@@ -158,16 +169,17 @@ async def test_plaintext_client_refused(server: TritonServer, manifest: Manifest
 
 
 async def test_certificate_from_another_ca_refused(server: TritonServer, pool: PoolFiles, foreign: PoolFiles,
-                                                   hs: Settings, manifest: Manifest) -> None:
+                                                   hs: Settings, manifest: Manifest, tmp_path: Path) -> None:
     # Checked before connecting: the client's own certificate is not from the pool's CA.
-    bad = hs.with_section("triton", tls_client_cert_file=foreign.clients["intruder"][0],
-                          tls_client_key_file=foreign.clients["intruder"][1])
+    assert hs.triton.tls_dir is not None
+    cert, key = foreign.clients["intruder"]
+    bad = hs.with_section("triton", tls_dir=copy_dir(hs.triton.tls_dir, to=tmp_path / "bad",
+                                                     replace={"client.pem": cert, "client.key": key}))
     with pytest.raises(FailedPrecondition, match="not issued by the CA"):
         client_credentials(bad.triton)
     # And by Triton itself (mutual TLS) when a client skips that check.
     good = client_credentials(hs.triton)
     assert good is not None
-    cert, key = foreign.clients["intruder"]
     intruder = ClientCredentials(good.root_ca, cert.read_bytes(), key.read_bytes(), good.client_key, None)
     backend = TritonBackend([server.grpc_url], manifest, variant="fp32", credentials=intruder, timeout_s=5.0)
     with pytest.raises(Unavailable, match=server.grpc_url) as info:
@@ -359,9 +371,10 @@ def _pgid(pid: int) -> int | None:
 
 async def test_sidecar_key_in_wrong_file_is_a_startup_error(hs: Settings, server: TritonServer,
                                                             tmp_path: Path) -> None:
-    wrong = tmp_path / "wrong_key.txt"
-    wrong.write_text("W" * 32 + "\n")
-    backend = make_backend(hs.with_section("triton", client_key_file=wrong), "triton")
+    assert hs.triton.tls_dir is not None
+    wrong = copy_dir(hs.triton.tls_dir, to=tmp_path / "wrong")
+    (wrong / "client_key.txt").write_text("W" * 32 + "\n")
+    backend = make_backend(hs.with_section("triton", tls_dir=wrong), "triton")
     with pytest.raises(CredentialsRefused, match=server.grpc_url) as info:
         await backend.start()
     await backend.close()
@@ -432,10 +445,10 @@ def test_compose_triton_command_serves_hardened(settings: Settings, model_dir: P
     script = script.replace("--model-repository=/repo", f"--model-repository={repo} "
                             f"--backend-directory={assemble_backend_dir(tmp_path / 'backends')} "
                             f"--backend-config=python,shm-region-prefix-name=embedcar_compose_{os.getpid()}_")
-    script = script.replace("/secrets/triton", str(pool.ca_cert.parent)).replace("0.0.0.0", "127.0.0.1")
+    script = script.replace("/secrets/triton", str(pool.dirs["triton-a"])).replace("0.0.0.0", "127.0.0.1")
     for old, new in ports.items():
         script = re.sub(rf"(--\w+-port=){old}\b", rf"\g<1>{new}", script)
-    env = TritonServer(s)._env() | {"EMBEDCAR_CERT_NAME": "triton-a"}
+    env = TritonServer(s)._env()
     log = (tmp_path / "compose-triton.log").open("wb")
     proc = subprocess.Popen(["/bin/sh", "-c", script], env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

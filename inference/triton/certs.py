@@ -1,14 +1,18 @@
-"""`embedcar triton certs`: a private CA and the certificates and keys a hardened Triton pool needs.
+"""`embedcar triton certs`: a private CA and, per machine of a hardened Triton pool, its `triton.tls_dir`.
 
     <out>/ca.pem, ca.key               the pool's CA (kept: a later run adds hosts with the same CA)
-    <out>/<host>.pem, <host>.key       one per Triton host: SAN = the host name (or address), localhost
-                                       and 127.0.0.1 (the container's own healthcheck and readiness)
-    <out>/<client>.pem, <client>.key   one per client (mutual TLS): the sidecars, the catalog job
     <out>/client_key.txt               the shared key for inference/health/metadata (sidecars, job)
     <out>/operator_key.txt             the operator key (statistics, trace, logging, ...)
+    <out>/<host>/                      a Triton host's tls_dir: ca.pem, server.pem + server.key (SAN = the
+                                       host name or address, localhost and 127.0.0.1: the container's own
+                                       healthcheck and the launcher's readiness), client_key.txt, operator_key.txt
+    <out>/<client>/                    a client's tls_dir (the sidecars, the catalog job): ca.pem, client.pem +
+                                       client.key, client_key.txt; never the operator key (copy it in where
+                                       a client reads statistics: the load test)
 
-Private keys and the two key files are written 0600, atomically (a temporary name, then rename), so
-a reader never sees half a key and nobody else can read one at any moment. Existing keys are kept.
+Private keys and the key files are written 0600, atomically (a temporary name, then rename), so a
+reader never sees half a key and nobody else can read one at any moment. The CA and the two keys are
+kept; each run rewrites the named folders from them.
 """
 
 from __future__ import annotations
@@ -23,20 +27,33 @@ from pathlib import Path
 from typing import Any
 
 from inference.errors import InvalidInput
-from inference.triton.tls import new_key
+from inference.triton.tls import (
+    CA_CERT,
+    CLIENT_CERT,
+    CLIENT_KEY,
+    CLIENT_KEY_FILE,
+    OPERATOR_KEY_FILE,
+    SERVER_CERT,
+    SERVER_KEY,
+    new_key,
+)
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}")
 CA_DAYS = 3650
 LEAF_DAYS = 825  # the longest validity common TLS clients accept for a leaf certificate
 
 
+CA_KEY = "ca.key"
+
+
 @dataclass(frozen=True, slots=True)
 class PoolFiles:
     ca_cert: Path
-    hosts: dict[str, tuple[Path, Path]]  # host -> (certificate, key)
+    hosts: dict[str, tuple[Path, Path]]  # host -> (certificate, key), in dirs[host]
     clients: dict[str, tuple[Path, Path]]
     client_key: Path
     operator_key: Path
+    dirs: dict[str, Path]  # host or client -> its triton.tls_dir
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
@@ -88,7 +105,7 @@ def _load_or_make_ca(out: Path) -> tuple[Any, Any]:
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
-    cert_path, key_path = out / "ca.pem", out / "ca.key"
+    cert_path, key_path = out / CA_CERT, out / CA_KEY
     if cert_path.exists() and key_path.exists():
         return x509.load_pem_x509_certificate(cert_path.read_bytes()), \
             load_pem_private_key(key_path.read_bytes(), password=None)
@@ -144,28 +161,36 @@ def _check_names(names: Sequence[str], what: str) -> None:
 
 
 def make_pool_certs(out: Path, hosts: Sequence[str], clients: Sequence[str] = ("sidecar",)) -> PoolFiles:
-    """The CA (kept when `out` has one), a certificate per host and per client, and the two key files."""
+    """The CA and the two keys (kept when `out` has them), and a tls_dir per host and per client."""
     if not hosts:
         raise InvalidInput("give at least one Triton host name (--hosts a,b)")
     _check_names(hosts, "host")
     _check_names(clients, "client")
-    if set(hosts) & set(clients) or "ca" in {*hosts, *clients}:
-        raise InvalidInput("host and client names must differ from each other and from 'ca'")
+    if set(hosts) & set(clients) or {CA_CERT, CA_KEY} & {*hosts, *clients}:
+        raise InvalidInput(f"host and client names must differ from each other and from {CA_CERT} and {CA_KEY}")
     out.mkdir(parents=True, exist_ok=True)
     ca_cert, ca_key = _load_or_make_ca(out)
-    made: dict[str, dict[str, tuple[Path, Path]]] = {"hosts": {}, "clients": {}}
-    for kind, names in (("hosts", hosts), ("clients", clients)):
-        for n in names:
-            sans = [n, "localhost", "127.0.0.1"] if kind == "hosts" else [n]
-            cert, key = _leaf(ca_cert, ca_key, n, sans, server=kind == "hosts")
-            cert_path, key_path = out / f"{n}.pem", out / f"{n}.key"
-            _write(key_path, _key_pem(key), 0o600)
-            _write(cert_path, cert.public_bytes(_pem()), 0o644)
-            made[kind][n] = (cert_path, key_path)
     keys = {}
-    for name in ("client_key.txt", "operator_key.txt"):
+    for name in (CLIENT_KEY_FILE, OPERATOR_KEY_FILE):
         path = keys[name] = out / name
         if not path.exists():
             _write(path, (new_key() + "\n").encode(), 0o600)
-    return PoolFiles(out / "ca.pem", made["hosts"], made["clients"], keys["client_key.txt"],
-                     keys["operator_key.txt"])
+    made: dict[str, dict[str, tuple[Path, Path]]] = {"hosts": {}, "clients": {}}
+    dirs = {}
+    for kind, names in (("hosts", hosts), ("clients", clients)):
+        server = kind == "hosts"
+        for n in names:
+            folder = dirs[n] = out / n
+            folder.mkdir(exist_ok=True)
+            cert, key = _leaf(ca_cert, ca_key, n, [n, "localhost", "127.0.0.1"] if server else [n], server=server)
+            cert_path, key_path = folder / (SERVER_CERT if server else CLIENT_CERT), \
+                folder / (SERVER_KEY if server else CLIENT_KEY)
+            _write(key_path, _key_pem(key), 0o600)
+            _write(cert_path, cert.public_bytes(_pem()), 0o644)
+            _write(folder / CA_CERT, (out / CA_CERT).read_bytes(), 0o644)
+            # Triton needs the operator key to open that group; a client gets it only by hand.
+            for name in (CLIENT_KEY_FILE, OPERATOR_KEY_FILE) if server else (CLIENT_KEY_FILE,):
+                _write(folder / name, keys[name].read_bytes(), 0o600)
+            made[kind][n] = (cert_path, key_path)
+    return PoolFiles(out / CA_CERT, made["hosts"], made["clients"], keys[CLIENT_KEY_FILE],
+                     keys[OPERATOR_KEY_FILE], dirs)

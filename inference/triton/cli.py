@@ -45,17 +45,18 @@ def register(sub: Any) -> None:
     common(serve)
     served(serve)
     add_flags(serve, "triton", TritonSettings, "grpc_port", "http_port", "metrics_port", "max_queue_delay_us",
-              "instances", "host", "metrics_host", "profile", "tls_ca_file", "tls_server_cert_file",
-              "tls_server_key_file", "tls_mutual", "client_key_file", "operator_key_file")
+              "instances", "host", "metrics_host", "tls_dir")
     serve.set_defaults(func=_serve)
 
-    certs = tsub.add_parser("certs", help="a private CA, per-host and per-client certificates and the two API "
-                            "keys for a hardened Triton pool (keys written 0600; an existing CA is kept)")
+    certs = tsub.add_parser("certs", help="a private CA, the two API keys and, per host and per client of a "
+                            "hardened Triton pool, its triton.tls_dir (keys written 0600; an existing CA and keys "
+                            "are kept)")
     certs.add_argument("--hosts", required=True, help="Triton host names or addresses, comma-separated (each "
                        "certificate also names localhost and 127.0.0.1)")
     certs.add_argument("--clients", default="sidecar",
                        help="client certificate names for mutual TLS, comma-separated (default: sidecar)")
-    certs.add_argument("--out", type=Path, default=Path("var/secrets/triton"), help="output folder")
+    certs.add_argument("--out", type=Path, default=Path("var/secrets/triton"),
+                       help="output folder: the CA and keys, and OUT/NAME for each host and client")
     certs.set_defaults(func=_certs)
 
     eng = tsub.add_parser("build-engine", help="build/reuse the TensorRT engine (needs a GPU and trtexec)")
@@ -116,10 +117,10 @@ def _certs(args: argparse.Namespace) -> int:
 
     files = make_pool_certs(args.out, names(args.hosts), names(args.clients))
     print(f"CA: {files.ca_cert}")
-    for kind, made in (("host", files.hosts), ("client", files.clients)):
-        for name, (cert, key) in made.items():
-            print(f"{kind} {name}: {cert} (key {key}, 0600)")
     print(f"keys: {files.client_key} (sidecars, catalog job), {files.operator_key} (operator), 0600")
+    for kind, made in (("host", files.hosts), ("client", files.clients)):
+        for name in made:
+            print(f"{kind} {name}: EMBEDCAR_TRITON_TLS_DIR={files.dirs[name]}")
     return 0
 
 

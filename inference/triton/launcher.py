@@ -12,12 +12,12 @@ Start-up is ready only when this process listens on its own ports and answers ov
 a port taken by someone else between choosing and binding (or a foreign server answering on it)
 is a bind failure, retried on fresh ports when the ports were chosen here, named when given.
 
-`triton.profile=hardened` (a host other machines reach) adds inference/triton/tls.py's flags: gRPC over
-TLS, API groups behind header keys, HTTP on loopback, model control off; the launcher's own readiness
-and warm-up calls then use TLS and the key like any client. tritonserver takes those keys as arguments
-only: they reach it through the environment and a preloaded shim (inference/triton/argv_secrets.py),
-so its command line (`ps`) shows placeholders; where the shim cannot be built they go on the command
-line, with a warning saying why. Never logged.
+`triton.tls_dir` set (the hardened profile: a host other machines reach) adds inference/triton/tls.py's
+flags: gRPC over mutual TLS, API groups behind header keys, HTTP on loopback, model control off; the
+launcher's own readiness and warm-up calls then use TLS and the key like any client. tritonserver
+takes those keys as arguments only: they reach it through the environment and a preloaded shim
+(inference/triton/argv_secrets.py), so its command line (`ps`) shows placeholders; where the shim
+cannot be built they go on the command line, with a warning saying why. Never logged.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from inference.manifest import Manifest, load_manifest
 from inference.settings import Settings
 from inference.triton import argv_secrets
 from inference.triton.repository import RepoModel, generate_models, stub_sys_path
-from inference.triton.tls import ServerFlags, hardened, read_key, server_flags
+from inference.triton.tls import ServerFlags, hardened, server_flags
 
 log = logging.getLogger(__name__)
 
@@ -328,23 +328,22 @@ class TritonServer:
     def grpc_client(self) -> tuple[Any, dict[str, str] | None]:
         """A tritonclient gRPC client of this server and the headers its calls need (hardened: TLS + key).
 
-        Under mutual TLS the launcher presents the client certificate when one is set, else the host's
-        own (`embedcar triton certs` gives host certificates the client usage too)."""
+        The launcher presents tls_dir's client certificate where it holds one, else the host's own
+        (`embedcar triton certs` gives host certificates the client usage too), and checks the server's
+        against "localhost", which that command puts in every host certificate: its own server, whatever
+        address it binds."""
         import tritonclient.grpc as grpcclient
 
-        t = self.settings.triton
         if not self.hardened:
             return grpcclient.InferenceServerClient(self.grpc_url), None
-        from inference.triton.tls import CLIENT_KEY_NAME, GRPC_HEADER_PREFIX
+        from inference.triton.tls import CLIENT_KEY_NAME, GRPC_HEADER_PREFIX, client_files, client_key
 
-        own = t.tls_client_cert_file is None
-        name = t.tls_server_name or ("localhost" if self.host in _WILDCARDS else "")
+        t = self.settings.triton
+        ca, cert, key = client_files(t)
         client = grpcclient.InferenceServerClient(
-            self.grpc_url, ssl=True, root_certificates=str(t.tls_ca_file),
-            certificate_chain=str(t.tls_server_cert_file if own else t.tls_client_cert_file),
-            private_key=str(t.tls_server_key_file if own else t.tls_client_key_file),
-            channel_args=[("grpc.ssl_target_name_override", name)] if name else None)
-        return client, {GRPC_HEADER_PREFIX + CLIENT_KEY_NAME: read_key(t.client_key_file, "triton.client_key_file")}
+            self.grpc_url, ssl=True, root_certificates=str(ca), certificate_chain=str(cert), private_key=str(key),
+            channel_args=[("grpc.ssl_target_name_override", "localhost")])
+        return client, {GRPC_HEADER_PREFIX + CLIENT_KEY_NAME: client_key(t)}
 
     # --- lifecycle -------------------------------------------------------------------------
     def command(self) -> list[str]:

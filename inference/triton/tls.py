@@ -1,4 +1,5 @@
-"""TLS and restricted-API credentials for a Triton pool reached from other machines (profile `hardened`).
+"""TLS and restricted-API credentials for a Triton pool reached from other machines (the hardened profile:
+`triton.tls_dir` set).
 
 Triton restricts each API group to callers that send a header key (`--grpc-restricted-protocol`,
 `--http-restricted-api`; over gRPC the header is `triton-grpc-protocol-<key name>`). Two groups:
@@ -6,6 +7,11 @@ Triton restricts each API group to callers that send a header key (`--grpc-restr
     client    health, metadata, model-config, inference      sidecars and the catalog job
     operator  shared-memory, model-repository, statistics,   the operator (load test statistics);
               trace, logging                                 off when no operator key is configured
+
+Every file lives in one folder per machine under fixed names (`embedcar triton certs` writes one per
+host and per client): ca.pem; a Triton host's server.pem + server.key; a client's client.pem +
+client.key (a host's own folder serves as a client's too: its certificate carries the client usage);
+client_key.txt; operator_key.txt where that group is wanted. Mutual TLS is always on.
 
 Secrets (the two keys, private keys) are read from files here, at use, and never enter the settings
 object, a repr, an exception message or a log line: errors name the file and what is wrong with it.
@@ -23,9 +29,9 @@ from typing import Any
 
 from inference import pem
 from inference.errors import FailedPrecondition
-from inference.settings import TritonSettings, env_name
+from inference.settings import TritonSettings
 
-HARDENED = "hardened"
+SETTING = "triton.tls_dir"
 GRPC_HEADER_PREFIX = "triton-grpc-protocol-"  # Triton prefixes the key name with this over gRPC
 CLIENT_KEY_NAME = "embedcar-key"
 OPERATOR_KEY_NAME = "embedcar-operator-key"
@@ -38,9 +44,16 @@ HTTP_CLIENT_GROUPS = ("metadata", "model-config", "inference")
 _KEY_RE = re.compile(r"[A-Za-z0-9_-]{16,256}")
 MIN_KEY_CHARS = 16
 
+# The files of a tls_dir (inference/triton/certs.py writes them).
+CA_CERT = "ca.pem"
+SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
+CLIENT_CERT, CLIENT_KEY = "client.pem", "client.key"
+CLIENT_KEY_FILE = "client_key.txt"
+OPERATOR_KEY_FILE = "operator_key.txt"
+
 
 def hardened(t: TritonSettings) -> bool:
-    return t.profile == HARDENED
+    return t.tls_dir is not None
 
 
 def new_key() -> str:
@@ -48,36 +61,67 @@ def new_key() -> str:
     return secrets.token_urlsafe(32)
 
 
-def _needs(setting_name: str, what: str) -> FailedPrecondition:
-    section, _, name = setting_name.partition(".")
-    return FailedPrecondition(f"the hardened Triton profile needs {setting_name} ({env_name(section, name)} or "
-                              f"--{name.replace('_', '-')}: {what})")
+def _dir(t: TritonSettings) -> Path:
+    if t.tls_dir is None:
+        raise FailedPrecondition(f"{SETTING} is not set")  # callers ask only in the hardened profile
+    return t.tls_dir
 
 
-def read_key(path: Path | None, setting_name: str) -> str:
+def tls_file(t: TritonSettings, name: str) -> Path:
+    """`name` in tls_dir; a missing one is a one-line start-up error naming the folder and the file."""
+    folder = _dir(t)
+    path = folder / name
+    if not path.is_file():
+        raise FailedPrecondition(f"{SETTING} {folder}: no {name} (`embedcar triton certs` writes a folder per "
+                                 "Triton host and per client)")
+    return path
+
+
+def _optional(t: TritonSettings, name: str) -> Path | None:
+    path = _dir(t) / name
+    return path if path.is_file() else None
+
+
+def read_key(path: Path) -> str:
     """The key in `path` (one line); FailedPrecondition naming the file, never showing its content."""
-    if path is None:
-        raise _needs(setting_name, "a file holding the key; `embedcar triton certs` writes one")
     try:
         text = path.read_text().strip()
     except OSError as exc:
-        raise FailedPrecondition(f"{setting_name} {path}: cannot read it ({exc.strerror or exc})") from None
+        raise FailedPrecondition(f"{SETTING} {path}: cannot read it ({exc.strerror or exc})") from None
     if not _KEY_RE.fullmatch(text):
-        raise FailedPrecondition(f"{setting_name} {path}: not a key: expected one line of {MIN_KEY_CHARS}-256 "
+        raise FailedPrecondition(f"{SETTING} {path}: not a key: expected one line of {MIN_KEY_CHARS}-256 "
                                  "characters from A-Z a-z 0-9 _ - (`embedcar triton certs` writes one)")
     return text
 
 
-def _certificate(path: Path | None, setting_name: str) -> tuple[bytes, Any]:
-    return pem.certificate(path, setting_name, _needs)
+def client_key(t: TritonSettings) -> str:
+    return read_key(tls_file(t, CLIENT_KEY_FILE))
 
 
-def _private_key(path: Path | None, setting_name: str) -> tuple[bytes, Any]:
-    return pem.private_key(path, setting_name, _needs)
+def operator_key(t: TritonSettings) -> str | None:
+    path = _optional(t, OPERATOR_KEY_FILE)
+    return None if path is None else read_key(path)
 
 
-def _check_issued_by(cert: Any, ca: Any, cert_name: str, cert_path: Path | None, ca_path: Path | None) -> None:
-    pem.check_issued_by(cert, ca, cert_name, cert_path, "triton.tls_ca_file", ca_path)
+def _certificate(path: Path) -> tuple[bytes, Any]:
+    return pem.certificate(path, SETTING)
+
+
+def _checked_pair(ca: Any, ca_path: Path, cert_path: Path, key_path: Path) -> tuple[bytes, bytes]:
+    """(certificate PEM, key PEM), checked to belong together and to be issued by the pool's CA."""
+    cert_pem, cert = _certificate(cert_path)
+    key_pem, key = pem.private_key(key_path, SETTING)
+    pem.check_pair(cert, key, SETTING, cert_path, f"{SETTING} {key_path}")
+    pem.check_issued_by(cert, ca, SETTING, cert_path, SETTING, ca_path)
+    return cert_pem, key_pem
+
+
+def client_files(t: TritonSettings) -> tuple[Path, Path, Path]:
+    """(CA, certificate, key) a client presents: client.pem/.key, else a Triton host's own server.pem/.key."""
+    ca = tls_file(t, CA_CERT)
+    if _optional(t, CLIENT_CERT) is not None or _optional(t, SERVER_CERT) is None:
+        return ca, tls_file(t, CLIENT_CERT), tls_file(t, CLIENT_KEY)
+    return ca, tls_file(t, SERVER_CERT), tls_file(t, SERVER_KEY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +133,8 @@ class ClientCredentials:
     private_key: bytes | None = field(repr=False)
     client_key: str = field(repr=False)
     operator_key: str | None = field(repr=False)
+    # The name to check Triton's certificate against instead of the URL's host. The settings set none:
+    # `triton certs --hosts` names what clients dial; a caller dialling something else passes one.
     server_name: str = ""
 
     @property
@@ -112,19 +158,14 @@ class ClientCredentials:
 
 
 def client_credentials(t: TritonSettings) -> ClientCredentials | None:
-    """None in the local profile; else the checked credentials (FailedPrecondition naming what is wrong)."""
+    """None without tls_dir (the local profile); else the checked credentials (FailedPrecondition naming
+    what is wrong)."""
     if not hardened(t):
         return None
-    ca_pem, _ca = _certificate(t.tls_ca_file, "triton.tls_ca_file")
-    cert_pem = key_pem = None
-    if t.tls_client_cert_file is not None or t.tls_client_key_file is not None:
-        cert_pem, cert = _certificate(t.tls_client_cert_file, "triton.tls_client_cert_file")
-        key_pem, key = _private_key(t.tls_client_key_file, "triton.tls_client_key_file")
-        pem.check_pair(cert, key, "triton.tls_client_cert_file", t.tls_client_cert_file, "triton.tls_client_key_file")
-        _check_issued_by(cert, _ca, "triton.tls_client_cert_file", t.tls_client_cert_file, t.tls_ca_file)
-    operator = read_key(t.operator_key_file, "triton.operator_key_file") if t.operator_key_file else None
-    return ClientCredentials(ca_pem, cert_pem, key_pem, read_key(t.client_key_file, "triton.client_key_file"),
-                             operator, t.tls_server_name)
+    ca_path, cert_path, key_path = client_files(t)
+    ca_pem, ca = _certificate(ca_path)
+    cert_pem, key_pem = _checked_pair(ca, ca_path, cert_path, key_path)
+    return ClientCredentials(ca_pem, cert_pem, key_pem, client_key(t), operator_key(t))
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,23 +186,20 @@ class ServerFlags:
 
 
 def server_flags(t: TritonSettings) -> ServerFlags:
-    """TLS (mutual where tls_mutual), restricted API groups, model control off. Checks every file first."""
-    ca_pem, ca = _certificate(t.tls_ca_file, "triton.tls_ca_file")
-    _pem, cert = _certificate(t.tls_server_cert_file, "triton.tls_server_cert_file")
-    _key_pem, key = _private_key(t.tls_server_key_file, "triton.tls_server_key_file")
-    pem.check_pair(cert, key, "triton.tls_server_cert_file", t.tls_server_cert_file, "triton.tls_server_key_file")
-    _check_issued_by(cert, ca, "triton.tls_server_cert_file", t.tls_server_cert_file, t.tls_ca_file)
-    del ca_pem, _pem, _key_pem
-    client = read_key(t.client_key_file, "triton.client_key_file")
+    """Mutual TLS, restricted API groups, model control off. Checks every file first."""
+    ca_path, cert_path, key_path = tls_file(t, CA_CERT), tls_file(t, SERVER_CERT), tls_file(t, SERVER_KEY)
+    _ca_pem, ca = _certificate(ca_path)
+    _checked_pair(ca, ca_path, cert_path, key_path)
+    client = client_key(t)
     # No operator key: the group is still restricted, by a key that exists only in this process's
     # arguments (Triton cannot switch single gRPC groups off).
-    operator = read_key(t.operator_key_file, "triton.operator_key_file") if t.operator_key_file else new_key()
+    operator = operator_key(t) or new_key()
     args = [
         "--grpc-use-ssl=true",
-        f"--grpc-use-ssl-mutual={'true' if t.tls_mutual else 'false'}",
-        f"--grpc-server-cert={t.tls_server_cert_file}",
-        f"--grpc-server-key={t.tls_server_key_file}",
-        f"--grpc-root-cert={t.tls_ca_file}",
+        "--grpc-use-ssl-mutual=true",
+        f"--grpc-server-cert={cert_path}",
+        f"--grpc-server-key={key_path}",
+        f"--grpc-root-cert={ca_path}",
         *restricted_flags(client, operator),
         *LOCKED_FLAGS,
     ]
@@ -192,10 +230,9 @@ def secret_markers(t: TritonSettings) -> list[str]:
     local profile."""
     if not hardened(t):
         return []
-    out = [read_key(p, name) for p, name in ((t.client_key_file, "triton.client_key_file"),
-                                             (t.operator_key_file, "triton.operator_key_file")) if p is not None]
-    for path in (t.tls_server_key_file, t.tls_client_key_file):
-        if path is not None and path.is_file():
+    out = [read_key(p) for p in (_optional(t, CLIENT_KEY_FILE), _optional(t, OPERATOR_KEY_FILE)) if p is not None]
+    for path in (_optional(t, SERVER_KEY), _optional(t, CLIENT_KEY)):
+        if path is not None:
             body = "".join(line for line in path.read_text().splitlines() if not line.startswith("-----"))
             out += [body[i:i + _PIECE] for i in range(0, len(body) - _PIECE + 1, _PIECE)]
     return [m for m in out if m]
