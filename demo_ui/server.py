@@ -4,8 +4,8 @@ Protocol (JSON text frames):
   page -> server  {"seq": int >= 0, "text": str, "k"?: int, "mode"?: "semantic" | "lexical" | "hybrid"}
   server -> page  {"seq", "text", "mode", "results": [{"title","aisle","department","score","legs"}],
                    "timings_ns": {sidecar stages}, "server_ms": float, "cache_hit": bool}
-A keystroke without a mode is searched in demo.search_mode (hybrid); `legs` says which search
-leg(s) found each product (["semantic"], ["lexical"] or both).
+A keystroke without a mode is searched in demo.search_mode (hybrid), with k = DemoLimits.results;
+`legs` says which search leg(s) found each product (["semantic"], ["lexical"] or both).
                   {"seq", "dropped": "superseded" | "stale"}      (never computed)
                   {"seq": int | null, "error": {"code", "message"}}
 With a second model (`embedcar demo --compare NAME`) each keystroke is searched with both at once
@@ -41,6 +41,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from catalog.fusion import SearchMode, parse_mode
+from demo_ui.limits import LIMITS, DemoLimits
 from demo_ui.ratecap import RateCap
 from demo_ui.search import SearchFn, aisle_agreement, hit_json
 from demo_ui.settings import DemoSettings
@@ -57,6 +58,7 @@ MAX_K = 50
 CLOSE_TOO_BIG = 1009
 CLOSE_POLICY = 1008
 CLOSED = "closed"  # the error code of the notice sent before the server closes a socket (not an error class)
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,13 +103,14 @@ class Connection:
     """One browser tab: a reader (validation, rate cap, slot) and a single search worker."""
 
     def __init__(self, ws: WebSocket, settings: DemoSettings, search: SearchFn,
-                 compare: SearchFn | None = None) -> None:
+                 compare: SearchFn | None = None, limits: DemoLimits = LIMITS) -> None:
         self.ws = ws
         self.settings = settings
+        self.limits = limits
         self.search = search
         self.compare = compare
         self.slot: LatestSlot[Keystroke] = LatestSlot()
-        self.cap = RateCap(settings.max_messages_per_s)
+        self.cap = RateCap(limits.max_messages_per_s)
         self.last_seq = -1
         self._send_lock = asyncio.Lock()
 
@@ -127,7 +130,7 @@ class Connection:
                 await worker
 
     async def _read(self) -> None:
-        s = self.settings
+        s = self.limits
         while True:
             frame = await self.ws.receive()
             if frame["type"] == "websocket.disconnect":
@@ -157,7 +160,7 @@ class Connection:
                 continue
             try:
                 key = parse_message(raw, max_query_chars=s.max_query_chars, default_k=s.results,
-                                    default_mode=s.search_mode)
+                                    default_mode=self.settings.search_mode)
             except InvalidInput as exc:
                 await self.send(_error(_seq_of(raw), exc))
                 continue
@@ -212,7 +215,7 @@ class Connection:
         if not key.text:
             return {"model": "", "results": [], "timings_ns": {}, "cache_hit": False,
                     "server_ms": (time.perf_counter_ns() - key.received_ns) / 1e6, "aisles": None}
-        out = await search(key.text, k=key.k, timeout_s=self.settings.search_timeout_s, mode=key.mode)
+        out = await search(key.text, k=key.k, timeout_s=self.limits.search_timeout_s, mode=key.mode)
         hits = out.hits[0] if out.hits else []  # one text searched
         return {"model": out.model, "results": [hit_json(h) for h in hits], "timings_ns": out.timings_ns,
                 "cache_hit": bool(out.cache_hits and out.cache_hits[0]),
@@ -238,14 +241,14 @@ def _ws_key(ws: WebSocket) -> str | None:
 
 
 def create_app(settings: DemoSettings, search: SearchFn, *, info: dict[str, str] | None = None,
-               keys: KeyRing | None = None, compare: SearchFn | None = None) -> FastAPI:
+               keys: KeyRing | None = None, compare: SearchFn | None = None, limits: DemoLimits = LIMITS) -> FastAPI:
     """The page, its static files, `/config` for the page's defaults, `/health`, and `/ws` (which
     needs one of `keys` when that ring is not empty). `compare`: a second model searched with every
     keystroke, side by side (its id in `info["compare"]` heads its column before the first answer)."""
     parse_mode(settings.search_mode)  # a mistyped EMBEDCAR_DEMO_SEARCH_MODE fails here, not on every keystroke
     app = FastAPI(title="embedcar typeahead demo", docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-    page_config = {"budget_ms": settings.budget_ms, "results": settings.results, "mode": settings.search_mode,
+    page_config = {"budget_ms": settings.budget_ms, "results": limits.results, "mode": settings.search_mode,
                    **(info or {})}
 
     @app.get("/", include_in_schema=False)
@@ -272,7 +275,7 @@ def create_app(settings: DemoSettings, search: SearchFn, *, info: dict[str, str]
                     await ws.send_text(json.dumps(_error(None, exc)))
                     await ws.close(code=CLOSE_POLICY, reason="unauthenticated")
                 return
-        await Connection(ws, settings, search, compare).run()
+        await Connection(ws, settings, search, compare, limits).run()
 
     return app
 
@@ -291,8 +294,10 @@ class DemoServer(uvicorn.Server):
         return int(sock.getsockname()[1])
 
 
-def build_server(app: FastAPI, settings: DemoSettings, *, port: int | None = None) -> DemoServer:
-    """HTTPS where settings name a certificate, required beyond loopback (sidecar/tls.py)."""
+def build_server(app: FastAPI, settings: DemoSettings, *, port: int | None = None,
+                 limits: DemoLimits = LIMITS) -> DemoServer:
+    """HTTPS where settings name a certificate, required beyond loopback (sidecar/tls.py). `limits`: the
+    app's (create_app), for the protocol layer's bound on a frame."""
     tls = server_tls("demo", settings.host, settings.tls_cert_file, settings.tls_key_file,
                      plaintext_beyond_loopback=settings.plaintext_beyond_loopback)
     config = uvicorn.Config(
@@ -300,7 +305,7 @@ def build_server(app: FastAPI, settings: DemoSettings, *, port: int | None = Non
         host=settings.host,
         port=settings.port if port is None else port,
         # Frames far beyond our own cap are refused by the protocol layer before they are read.
-        ws_max_size=16 * settings.max_message_bytes,
+        ws_max_size=16 * limits.max_message_bytes,
         log_level="warning",
         access_log=False,
         lifespan="off",

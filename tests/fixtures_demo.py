@@ -20,6 +20,7 @@ import numpy.typing as npt
 import pytest
 
 from catalog.fusion import SearchMode
+from demo_ui.limits import LIMITS, DemoLimits
 from demo_ui.search import SearchFn
 from demo_ui.server import build_server, create_app
 from demo_ui.settings import DemoSettings
@@ -110,10 +111,10 @@ def inprocess_search(tokenizer: QueryTokenizer, onnx_backend: OnnxBackend) -> In
 
 @contextlib.asynccontextmanager
 async def running_demo(search: SearchFn, demo: DemoSettings | None = None,
-                       info: dict[str, str] | None = None) -> AsyncIterator[str]:
+                       info: dict[str, str] | None = None, limits: DemoLimits = LIMITS) -> AsyncIterator[str]:
     """A real uvicorn demo server on 127.0.0.1:<free port> in the current loop; yields its base URL."""
     settings = demo or DemoSettings()
-    server = build_server(create_app(settings, search, info=info), settings, port=0)
+    server = build_server(create_app(settings, search, info=info, limits=limits), settings, port=0, limits=limits)
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():

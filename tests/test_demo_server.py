@@ -16,6 +16,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from catalog.fusion import SearchMode
+from demo_ui.limits import LIMITS, DemoLimits
 from demo_ui.server import parse_message
 from demo_ui.settings import DemoSettings
 from inference.errors import InvalidInput, Unavailable
@@ -39,7 +40,7 @@ async def test_round_trip_returns_products_and_timings(inprocess_search: InProce
         reply = await ask(ws, 1, "  greek yogurt ")
         assert reply["seq"] == 1
         assert reply["text"] == "greek yogurt"
-        assert len(reply["results"]) == DemoSettings().results
+        assert len(reply["results"]) == LIMITS.results
         top = reply["results"][0]
         assert set(top) == {"title", "aisle", "department", "score", "legs"} and top["legs"] == ["semantic"]
         assert reply["mode"] == "hybrid"  # the page's default mode
@@ -133,8 +134,7 @@ async def test_binary_frames(inprocess_search: InProcessSearch) -> None:
 
 
 async def test_oversized_frames_close_the_connection(inprocess_search: InProcessSearch) -> None:
-    demo = DemoSettings(max_message_bytes=1024)
-    async with running_demo(inprocess_search, demo) as addr:
+    async with running_demo(inprocess_search, limits=DemoLimits(max_message_bytes=1024)) as addr:
         async with connect(f"ws://{addr}/ws") as ws:
             await ws.send(json.dumps({"seq": 1, "text": "a" * 2000}))
             assert (await recv(ws))["error"]["code"] == "closed"
@@ -152,8 +152,7 @@ async def test_oversized_frames_close_the_connection(inprocess_search: InProcess
 
 
 async def test_flood_is_capped_then_cut_off(inprocess_search: InProcessSearch) -> None:
-    demo = DemoSettings(max_messages_per_s=5.0)
-    async with running_demo(inprocess_search, demo) as addr:
+    async with running_demo(inprocess_search, limits=DemoLimits(max_messages_per_s=5.0)) as addr:
         async with connect(f"ws://{addr}/ws") as ws:
             for seq in range(1, 200):
                 try:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from demo_ui.limits import DemoLimits
 from demo_ui.settings import DemoSettings
 from embedcar_settings import Settings
 
@@ -42,10 +43,9 @@ def build_index(settings: Settings, root: Path, n: int) -> Path:
     return summary.version_dir
 
 
-def fuzz_demo_settings() -> DemoSettings:
-    # The rate cap and the per-keystroke deadline are tested elsewhere; here they would only
-    # turn a fast fuzzer or a slow shared box into refusals.
-    return DemoSettings(max_messages_per_s=1e9, search_timeout_s=30.0)
+# The rate cap and the per-keystroke deadline are tested elsewhere; here they would only turn a fast
+# fuzzer or a slow shared box into refusals.
+FUZZ_LIMITS = DemoLimits(max_messages_per_s=1e9, search_timeout_s=30.0)
 
 
 class DemoThread:
@@ -55,11 +55,12 @@ class DemoThread:
     """
 
     def __init__(self, grpc_target: str, *, api_key: str | None = None, keys: KeyRing | None = None,
-                 settings: DemoSettings | None = None) -> None:
+                 settings: DemoSettings | None = None, limits: DemoLimits = FUZZ_LIMITS) -> None:
         self._target = grpc_target
         self._api_key = api_key
         self._keys = keys
-        self.settings = settings or fuzz_demo_settings()
+        self.settings = settings or DemoSettings()
+        self.limits = limits
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="demo", daemon=True)
         self._server: Any = None
@@ -75,8 +76,8 @@ class DemoThread:
         from sidecar.client import AsyncClient
 
         self._client = AsyncClient(self._target, api_key=self._api_key)  # its channel lives on this loop
-        app = create_app(self.settings, SidecarSearch(self._client), keys=self._keys)
-        self._server = build_server(app, self.settings, port=0)
+        app = create_app(self.settings, SidecarSearch(self._client), keys=self._keys, limits=self.limits)
+        self._server = build_server(app, self.settings, port=0, limits=self.limits)
         self._task = asyncio.get_running_loop().create_task(self._server.serve())
         while not self._server.started:  # uvicorn has no "started" event to await
             if self._task.done():
