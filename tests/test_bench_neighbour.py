@@ -1,4 +1,4 @@
-"""`embedcar bench neighbour` (loadtest/bench/neighbour.py, loadtest/neighbour.py).
+"""`embedcar bench neighbour` (loadtest/bench/neighbour.py, loadtest/bench/search_node.py).
 
 Behaviour, not timings: the verdicts and the table from a synthetic result, each configuration's
 settings; then one short real run (the model alone and the sidecar as shipped, beside a real

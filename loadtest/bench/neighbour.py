@@ -11,7 +11,7 @@ the compiled sender (loadtest.native; the Python client where it cannot build, t
            process at the same rate (ABBA order): this host's speed drifts by ±15 % over minutes,
            more than the 1 ms the sidecar may add, so each row is judged against the model blocks
            of its own minutes ("model beside it"), not model rows measured minutes before
-  beside   the same run while the neighbour (loadtest/neighbour.py: one thread of tantivy + FAISS
+  beside   the same run while the neighbour (loadtest/bench/search_node.py: one thread of tantivy + FAISS
            queries over the grocery catalog, like a search engine's core) runs; its queries/s
            against its queries/s alone (measured before the first and after the last configuration)
 
@@ -82,7 +82,7 @@ from inference.errors import EmbedcarError, InvalidInput
 from inference.files import atomic_write_text
 from inference.grpc_io import EXPERIMENTS, POLLING_IO
 from inference.settings import ModelSettings, env_name
-from loadtest.neighbour import Neighbour, NeighbourData, prepare_data
+from loadtest.bench.search_node import Neighbour, NeighbourData, prepare_data
 from loadtest.proc_cpu import CpuMeter
 from loadtest.report import fmt_ms, save_png, summarize
 from loadtest.runner import RunConfig, run_load

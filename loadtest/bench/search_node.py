@@ -1,4 +1,5 @@
-"""A stand-in for the search node on the sidecar's host: one core's worth of search-engine work.
+"""A stand-in for the search node on the sidecar's host (`bench neighbour`'s neighbour): one core's
+worth of search-engine work.
 
 The sidecar runs next to a search engine, and every core it burns is one the engine does not get.
 `Neighbour` runs, in its own process and on one thread, what such an engine does per query: a
