@@ -57,7 +57,7 @@ def bf16_unavailable() -> str:
 
 
 class OrtGraph:
-    def __init__(self, path: Path, threads: int, spinning: bool = False, spin_us: int = 0) -> None:
+    def __init__(self, path: Path, threads: int) -> None:
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
@@ -66,11 +66,9 @@ class OrtGraph:
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.log_severity_level = 3
-        # Spinning threads answer the next call sooner but hold both cores for a while after each
-        # call, which the event loop sharing those cores pays for (see docs/benchmarks.md).
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-        if spinning and spin_us > 0:  # bounded: spin through a forward's gaps between ops, not the idle after it
-            opts.add_session_config_entry("session.intra_op.spin_duration_us", str(spin_us))
+        # Never spinning: spinning threads answer the next call sooner but hold both cores for a while
+        # after each call, for 2-3x the CPU per query (lost: docs/benchmarks.md, ORT's threads).
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         except Exception as exc:  # ORT raises its own untyped errors for unreadable graphs
@@ -113,11 +111,11 @@ class OpenVinoGraph:
         return np.array(req.infer(feed)[self._output], dtype=np.float32)  # a copy: the request reuses its buffer
 
 
-def open_graph(path: Path, precision: str, threads: int, *, spinning: bool = False, spin_us: int = 0) -> Graph:
+def open_graph(path: Path, precision: str, threads: int) -> Graph:
     """The graph at `path` on the runtime that computes `precision` (`threads` 0: every core)."""
     if runtime_of(precision) == "openvino":
         return OpenVinoGraph(path, threads, precision)
-    return OrtGraph(path, threads, spinning, spin_us)
+    return OrtGraph(path, threads)
 
 
 def hidden_once(path: Path, precision: str, feed: dict[str, npt.NDArray[np.int64]]) -> npt.NDArray[np.float32]:

@@ -142,25 +142,6 @@ class ModelSettings:
         "threads. 1: every core on each query (lowest latency at light load); more: more queries per "
         "second once a queue forms, each query a little slower (docs/benchmarks.md, 'Levers').", flag="lanes",
         min=1, max=256, advanced=True)
-    ort_spinning: bool = setting(
-        False, "Embedded backend (in-process ORT): let its threads spin between calls. Off (default): "
-        "a query costs about the model's own CPU; on: up to ~0.5 ms less latency per call on an "
-        "otherwise idle host, for 2-3x the CPU per query, taken from the search node beside the sidecar "
-        "(docs/benchmarks.md, ORT's threads). The ORT inside Triton's CPU encoder never spins "
-        "(inference/triton/repository.py).", advanced=True)
-    ort_spin_us: int = setting(
-        0, "Embedded backend, with ort_spinning: how long an idle ORT thread spins before it sleeps "
-        "(session.intra_op.spin_duration_us); 0 = ORT's own default, which at 100 requests/s keeps "
-        "one thread spinning from each call to the next.", min=0, advanced=True)
-    pad_multiple: int = setting(
-        1, "Embedded backend: pad each forward pass only to its longest sequence, rounded up to a "
-        "multiple of this (1 = exact); 0 = to the length bucket's ceiling, as Triton needs. Padding "
-        "one short query to its bucket costs 25-35 % of a CPU forward pass; the embeddings are the same.",
-        min=0, advanced=True)
-    small_pass_tokens: int = setting(
-        0, "Embedded backend: forward passes of at most this many tokens (rows x padded length) run "
-        "on a second ORT session of one thread without spinning (less CPU per query, a little more "
-        "latency); 0 = off, every pass on intra_op_threads.", min=0, advanced=True)
     max_texts_per_call: int = setting(
         256, "Most texts one embedding call may carry: a sidecar request or `embedcar embed` (more: "
         "INVALID_ARGUMENT), and a backend call unless its caller sets a cap. Not the forward-pass size: "

@@ -288,20 +288,16 @@ class InProcessTarget(Target):
 
     name = "inprocess"
 
-    def __init__(self, model_dir: Path, *, variant: str | None = None, threads: int = 0, spinning: bool = False,
-                 spin_us: int = 0, pad_multiple: int = 0, small_pass_tokens: int = 0) -> None:
+    def __init__(self, model_dir: Path, *, variant: str | None = None, threads: int = 0) -> None:
         self.model_dir = model_dir
         self.variant = variant
         self.threads = threads
-        self.spinning, self.spin_us = spinning, spin_us
-        self.pad_multiple, self.small_pass_tokens = pad_multiple, small_pass_tokens
         self._embedder: Any = None
 
     @classmethod
     def for_model(cls, m: ModelSettings, variant: str | None = None) -> InProcessTarget:
         """Set up as the sidecar's embedded backend is from the same model settings."""
-        return cls(m.model_dir, variant=variant or m.variant, threads=m.intra_op_threads, spinning=m.ort_spinning,
-                   spin_us=m.ort_spin_us, pad_multiple=m.pad_multiple, small_pass_tokens=m.small_pass_tokens)
+        return cls(m.model_dir, variant=variant or m.variant, threads=m.intra_op_threads)
 
     async def start(self) -> None:
         from inference.backends.onnx import OnnxBackend
@@ -309,9 +305,7 @@ class InProcessTarget(Target):
         from inference.manifest import load_manifest
 
         manifest = load_manifest(self.model_dir)
-        backend = OnnxBackend(self.model_dir, manifest, variant=self.variant, threads=self.threads,
-                              spinning=self.spinning, spin_us=self.spin_us, pad_multiple=self.pad_multiple,
-                              small_pass_tokens=self.small_pass_tokens)
+        backend = OnnxBackend(self.model_dir, manifest, variant=self.variant, threads=self.threads)
         await backend.start()
         self._embedder = Embedder(load_tokenizer(self.model_dir, manifest), backend)
 

@@ -158,9 +158,6 @@ def test_markdown_has_one_row_per_configuration(tmp_path: Path) -> None:
 def test_each_embedded_configuration_states_every_lever() -> None:
     d, sc = ModelSettings(), SidecarSettings()
     assert embedded_env("default") == {"EMBEDCAR_MODEL_INTRA_OP_THREADS": str(d.intra_op_threads),
-                                       "EMBEDCAR_MODEL_ORT_SPINNING": str(d.ort_spinning).lower(),
-                                       "EMBEDCAR_MODEL_PAD_MULTIPLE": str(d.pad_multiple),
-                                       "EMBEDCAR_MODEL_SMALL_PASS_TOKENS": str(d.small_pass_tokens),
                                        "EMBEDCAR_SIDECAR_INLINE_FORWARD": str(sc.inline_forward).lower(),
                                        "EMBEDCAR_SIDECAR_CPU_SLICE_US": str(sc.cpu_slice_us),
                                        "EMBEDCAR_SIDECAR_ALLOCATOR": sc.allocator,
@@ -180,8 +177,6 @@ def test_each_embedded_configuration_states_every_lever() -> None:
     assert embedded_env("system-malloc") == embedded_env("triton-system-malloc") == system
     assert embedded_env("executor")["EMBEDCAR_SIDECAR_INLINE_FORWARD"] == "false"
     assert embedded_env("every-core")["EMBEDCAR_MODEL_INTRA_OP_THREADS"] == str(os.cpu_count() or 1)
-    before = embedded_env("before")
-    assert before["EMBEDCAR_MODEL_ORT_SPINNING"] == "true" and before["EMBEDCAR_MODEL_PAD_MULTIPLE"] == "0"
 
 
 def test_config_and_cli_lists_agree() -> None:
@@ -218,7 +213,6 @@ def test_bench_neighbour_end_to_end(tmp_path: Path, model_dir: Path) -> None:
     for row in (default, stream):  # two blocks of 20 requests beside the sidecar's two
         assert row["model_paired"]["requests"] == 40 and row["model_paired"]["threads"] >= 1
         assert 0 < row["model_paired"]["cpu_ms_per_query"] < 1_000
-    assert default["env"]["EMBEDCAR_MODEL_ORT_SPINNING"] == "false"
     assert default["env"]["EMBEDCAR_SIDECAR_NATIVE_GRPC_PORT"] == "-1"
     aio = result["rows"][3]
     assert aio["rpc"] == "unary" and aio["env"] == default["env"] | {"EMBEDCAR_SIDECAR_GRPC_SERVER": "aio"}

@@ -15,7 +15,7 @@ from inference.backends.onnx import OnnxBackend
 from inference.manifest import Manifest
 from inference.padding import tight_length, trim
 from inference.settings import Settings
-from inference.tokenizer import QueryTokenizer
+from inference.tokenizer import QueryTokenizer, TokenBatch
 from loadtest.queries import QueryMix
 from tests.components import require_variant
 
@@ -54,54 +54,51 @@ def _queries(tokenizer: QueryTokenizer) -> list[list[int]]:
     return tokenizer.encode(texts).ids
 
 
-def _embed_all(backend: OnnxBackend, tokenizer: QueryTokenizer, ids: list[list[int]]) -> np.ndarray:
-    """Each query alone at its bucket, then all of them as one batch padded to the largest bucket."""
-    alone = [backend.embed_sync(tokenizer.batch([x])) for x in ids]
-    together = backend.embed_sync(tokenizer.batch(ids, length=tokenizer.batch(ids).shape[1]))
+def _embed_all(backend: OnnxBackend, tokenizer: QueryTokenizer, ids: list[list[int]], *,
+               bucket: bool = False) -> np.ndarray:
+    """Each query alone at its bucket, then all of them as one batch padded to the largest bucket;
+    `bucket`: each pass computed at its bucket's length (the old padding), not cut to its longest."""
+    def embed(batch: TokenBatch) -> np.ndarray:
+        if not bucket:
+            return backend.embed_sync(batch)
+        hidden = backend.hidden_sync(batch)  # the batch as given: no cut
+        return backend.head(hidden, batch.attention_mask, input_ids=batch.input_ids, skip=batch.pool_skip)
+
+    alone = [embed(tokenizer.batch([x])) for x in ids]
+    together = embed(tokenizer.batch(ids, length=tokenizer.batch(ids).shape[1]))
     return np.vstack([*alone, together])
 
 
 def test_exact_padding_equals_bucket_padding_fp32(model_dir: Path, manifest: Manifest,
                                                    tokenizer: QueryTokenizer) -> None:
     ids = _queries(tokenizer)
-    bucket = OnnxBackend(model_dir, manifest, variant="fp32", threads=2, pad_multiple=0)
-    exact = OnnxBackend(model_dir, manifest, variant="fp32", threads=2, pad_multiple=1)
-    eight = OnnxBackend(model_dir, manifest, variant="fp32", threads=2, pad_multiple=8, small_pass_tokens=64)
-    want = _embed_all(bucket, tokenizer, ids)
-    for backend in (exact, eight):
-        np.testing.assert_allclose(_embed_all(backend, tokenizer, ids), want, rtol=0, atol=1e-5)
+    backend = OnnxBackend(model_dir, manifest, variant="fp32", threads=2)
+    np.testing.assert_allclose(_embed_all(backend, tokenizer, ids), _embed_all(backend, tokenizer, ids, bucket=True),
+                               rtol=0, atol=1e-5)
 
 
 def test_exact_padding_equals_bucket_padding_int8(model_dir: Path, manifest: Manifest,
                                                    tokenizer: QueryTokenizer) -> None:
     require_variant(manifest, "int8")
     ids = _queries(tokenizer)
-    ref = _embed_all(OnnxBackend(model_dir, manifest, variant="fp32", threads=2, pad_multiple=1), tokenizer, ids)
-    bucket = _embed_all(OnnxBackend(model_dir, manifest, variant="int8", threads=2, pad_multiple=0), tokenizer, ids)
-    exact = _embed_all(OnnxBackend(model_dir, manifest, variant="int8", threads=2, pad_multiple=1), tokenizer, ids)
+    ref = _embed_all(OnnxBackend(model_dir, manifest, variant="fp32", threads=2), tokenizer, ids)
+    int8 = OnnxBackend(model_dir, manifest, variant="int8", threads=2)
+    bucket, exact = _embed_all(int8, tokenizer, ids, bucket=True), _embed_all(int8, tokenizer, ids)
     np.testing.assert_allclose(exact, bucket, rtol=0, atol=export.BATCH_MAX_ABS)
     assert (exact * ref).sum(axis=1).min() >= 0.98
 
 
-def test_small_pass_session_gives_the_same_embeddings(model_dir: Path, manifest: Manifest,
-                                                      tokenizer: QueryTokenizer) -> None:
-    ids = _queries(tokenizer)
-    main = OnnxBackend(model_dir, manifest, variant="int8", threads=2, pad_multiple=1)
-    split = OnnxBackend(model_dir, manifest, variant="int8", threads=2, pad_multiple=1, small_pass_tokens=64)
-    split.warm_up()
-    assert split._small is not None
-    np.testing.assert_allclose(_embed_all(split, tokenizer, ids), _embed_all(main, tokenizer, ids), rtol=0, atol=1e-5)
-    one = OnnxBackend(model_dir, manifest, variant="int8", threads=1, small_pass_tokens=64)
-    one.load()
-    assert one._small is None
-
-
-def test_settings_default_to_exact_padding_without_spinning(model_dir: Path) -> None:
+def test_settings_make_an_exactly_padded_backend(model_dir: Path, tokenizer: QueryTokenizer) -> None:
     env = {"EMBEDCAR_MODEL_MODELS_DIR": str(model_dir.parent), "EMBEDCAR_MODEL_NAME": model_dir.name}
-    s = Settings.load(environ=env)
-    assert s.model.ort_spinning is False
-    backend = make_backend(s, "embedded")
+    backend = make_backend(Settings.load(environ=env), "embedded")
     assert isinstance(backend, OnnxBackend)
-    assert backend.pad_multiple == 1 and backend._spinning is False
-    old = Settings.load(environ=env | {"EMBEDCAR_MODEL_PAD_MULTIPLE": "0"})
-    assert make_backend(old, "embedded").pad_multiple == 0  # type: ignore[attr-defined]
+    seen: list[tuple[int, int]] = []
+    hidden_sync = backend.hidden_sync
+
+    def spy(batch: TokenBatch) -> np.ndarray:
+        seen.append(batch.shape)
+        return hidden_sync(batch)
+
+    backend.hidden_sync = spy  # type: ignore[method-assign]
+    backend.embed_sync(tokenizer.batch(tokenizer.encode(["tea"]).ids, length=32))
+    assert seen == [(1, len(tokenizer.encode(["tea"]).ids[0]))]

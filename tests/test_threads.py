@@ -51,15 +51,15 @@ def test_batch_jobs_and_explicit_settings_are_not_measured(model_dir: Path, two_
         assert backend.threads == threads and backend.thread_choice == {}
 
 
-def test_one_thread_chosen_drops_the_small_pass_session(model_dir: Path, two_cores: None,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_chosen_thread_count_is_the_one_session_served(model_dir: Path, two_cores: None,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(OnnxBackend, "_one_thread_wins", lambda self, one, every: True)
-    backend = make_backend(_settings(model_dir, EMBEDCAR_MODEL_SMALL_PASS_TOKENS="64"), "embedded")
+    backend = make_backend(_settings(model_dir), "embedded")
     assert isinstance(backend, OnnxBackend)
     backend.load()
-    assert backend.threads == 1 and backend.small_pass_tokens == 0 and backend._small is None
+    assert backend.threads == 1
     monkeypatch.setattr(OnnxBackend, "_one_thread_wins", lambda self, one, every: False)
-    kept = make_backend(_settings(model_dir, EMBEDCAR_MODEL_SMALL_PASS_TOKENS="64"), "embedded")
+    kept = make_backend(_settings(model_dir), "embedded")
     assert isinstance(kept, OnnxBackend)
     kept.load()
-    assert kept.threads == 2 and kept._small is not None and kept._small is not kept._sess
+    assert kept.threads == 2

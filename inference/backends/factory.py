@@ -28,11 +28,11 @@ def check_kind(kind: str) -> str:
 
 
 def make_backend(settings: Settings, kind: str, *, max_batch: int | None = None,
-                 spinning: bool | None = None, batch_job: bool = False) -> Backend:
+                 batch_job: bool = False) -> Backend:
     """The backend `kind` names (the sidecar passes its sidecar.backend), configured from `settings`.
 
     `max_batch` overrides the largest batch one call may carry (the catalog job sends bigger ones
-    than the sidecar accepts); `spinning` overrides model.ort_spinning for the embedded backend.
+    than the sidecar accepts).
     `batch_job`: big batches (the catalog job): model.intra_op_threads 0 means every core, not the
     one-or-every choice a query path measures (inference.backends.onnx).
     """
@@ -44,8 +44,6 @@ def make_backend(settings: Settings, kind: str, *, max_batch: int | None = None,
 
         return OnnxBackend(m.model_dir, manifest, variant=m.variant, threads=m.intra_op_threads, lanes=m.forward_lanes,
                            max_batch=max_batch or m.max_texts_per_call,
-                           spinning=m.ort_spinning if spinning is None else spinning, spin_us=m.ort_spin_us,
-                           pad_multiple=m.pad_multiple, small_pass_tokens=m.small_pass_tokens,
                            choose_threads=not batch_job)
     try:
         triton = importlib.import_module("inference.backends.triton")

@@ -35,17 +35,14 @@ class OnnxBackend(Backend):
     runs_inline = True
 
     def __init__(self, model_dir: Path, manifest: Manifest, *, variant: str | None = None,
-                 threads: int = 0, max_batch: int = 256, spinning: bool = False, spin_us: int = 0,
-                 lanes: int = 1, pad_multiple: int = 0, small_pass_tokens: int = 0,
+                 threads: int = 0, max_batch: int = 256, lanes: int = 1,
                  choose_threads: bool = False) -> None:
         """`threads`: ORT threads in all (0 = every core), split over `lanes` calls that may run at once.
         `choose_threads` (with threads 0 and one lane, on a host of several cores): measured at load,
         one thread unless every core makes a typical query at least MORE_THREADS_MIN_GAIN faster.
 
-        `pad_multiple`: 0 computes each batch as given (its bucket's length); n >= 1 cuts the
-        columns that are padding in every row first, keeping a multiple of n (inference.padding).
-        `small_pass_tokens`: passes of at most this many tokens (rows x length, after the cut) run
-        on a second session of one thread without spinning; 0 = every pass on the main session.
+        Each pass is padded only to its longest sequence (inference.padding.trim): padding a short
+        query to its bucket cost 25-35 % of a CPU pass for the same embeddings (docs/benchmarks.md).
         """
         self.manifest = manifest
         self.variant_name = variant or manifest.default_variant
@@ -55,17 +52,11 @@ class OnnxBackend(Backend):
         self.threads = max(1, (threads if threads > 0 else (os.cpu_count() or 1)) // self.lanes)  # per call
         self._choose = choose_threads and threads <= 0 and self.lanes == 1 and self.threads > 1
         self.thread_choice: dict[str, float] = {}  # what the choice measured: median ms per setting
-        self._spinning = spinning
-        self._spin_us = spin_us
-        self.pad_multiple = max(0, pad_multiple)
-        # A second session only pays where the main one has more than one thread.
-        self.small_pass_tokens = max(0, small_pass_tokens) if self.threads > 1 else 0
         self.version_id = manifest.variant_id(self.variant_name)
         self.dim = manifest.dim
         self.head = Head.from_manifest(model_dir, manifest)
         self.max_batch = max_batch
         self._sess: Graph | None = None
-        self._small: Graph | None = None
         # At most `lanes` ORT calls at a time, each on its share of the threads: more calls than
         # that only fight over the cores and lengthen the tail. (A session runs concurrent calls.)
         self._calls = threading.BoundedSemaphore(self.lanes)
@@ -75,16 +66,11 @@ class OnnxBackend(Backend):
     # --- lifecycle -------------------------------------------------------------------------
     def load(self) -> None:
         if self._sess is None:
-            sess = open_graph(self._path, self._precision, self.threads, spinning=self._spinning,
-                              spin_us=self._spin_us)
-            # One thread: no pool to spin (ORT runs it on the calling thread).
-            one = open_graph(self._path, self._precision, 1) if self._choose or self.small_pass_tokens else None
-            if self._choose and one is not None and self._one_thread_wins(one, sess):
-                sess, self.threads, self.small_pass_tokens = one, 1, 0
-            if self.small_pass_tokens:
-                # One thread on a short query: nearly the two-thread latency at about half the CPU
-                # (no second thread to wake and join after every op).
-                self._small = one
+            sess = open_graph(self._path, self._precision, self.threads)
+            if self._choose:
+                one = open_graph(self._path, self._precision, 1)
+                if self._one_thread_wins(one, sess):
+                    sess, self.threads = one, 1
             self._sess = sess
 
     def _one_thread_wins(self, one: Graph, every_core: Graph) -> bool:
@@ -114,14 +100,10 @@ class OnnxBackend(Backend):
         return TokenBatch(ids, np.ones((1, n), dtype=np.int64), types)
 
     def warm_up(self) -> None:
-        """One forward pass per bucket and session so first requests don't pay for ORT's lazy set-up."""
+        """One forward pass per bucket so first requests don't pay for ORT's lazy set-up."""
         self.load()
         for n in self.manifest.buckets:
-            batch = self._query(n)
-            self.embed_sync(batch)
-            for sess in (self._sess, self._small):  # embed_sync chose one of them for this shape
-                if sess is not None:
-                    self._run(sess, batch)
+            self.embed_sync(self._query(n))
         self._ready = True
 
     async def start(self) -> None:
@@ -133,7 +115,7 @@ class OnnxBackend(Backend):
     async def close(self) -> None:
         self._ready = False
         self._executor.shutdown(wait=True, cancel_futures=True)
-        self._sess = self._small = None
+        self._sess = None
 
     # --- inference -------------------------------------------------------------------------
     def hidden_sync(self, batch: TokenBatch) -> np.ndarray:
@@ -141,11 +123,8 @@ class OnnxBackend(Backend):
         self.load()
         if batch.shape[0] > self.max_batch:
             raise InvalidInput(f"batch of {batch.shape[0]} is over the backend maximum {self.max_batch}")
-        b, n = batch.shape
-        small = self._small is not None and b * n <= self.small_pass_tokens
-        sess = self._small if small else self._sess
-        assert sess is not None
-        return self._run(sess, batch)
+        assert self._sess is not None
+        return self._run(self._sess, batch)
 
     def _run(self, graph: Graph, batch: TokenBatch) -> np.ndarray:
         feed = {k: v for k, v in batch.arrays().items() if k in graph.inputs}
@@ -156,8 +135,7 @@ class OnnxBackend(Backend):
                 raise Internal(f"{type(graph).__name__} failed on a {batch.shape} batch: {exc}") from exc
 
     def embed_sync(self, batch: TokenBatch) -> Embeddings:
-        if self.pad_multiple:
-            batch = trim(batch, self.pad_multiple)
+        batch = trim(batch)
         hidden = self.hidden_sync(batch)
         return self.head(hidden, batch.attention_mask, input_ids=batch.input_ids, skip=batch.pool_skip)
 

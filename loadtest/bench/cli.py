@@ -207,11 +207,10 @@ def _serving(args: argparse.Namespace) -> int:
 
 # --- neighbour ------------------------------------------------------------------------------
 # loadtest.bench.neighbour.DEFAULT_CONFIGS and CONFIGS (not imported here: slow)
-NEIGHBOUR_CONFIGS = ("model-1t,model-2t,default,aio,every-core,small-pass,executor,event-engine,stream,stream-aio,"
-                     "kernel-slice,system-malloc,spinning,before,triton,triton-aio,triton-system-malloc")
-NEIGHBOUR_ALL_CONFIGS = ("model-1t,model-2t,default,aio,every-core,small-pass,executor,event-engine,stream,stream-aio,"
-                         "front,kernel-slice,system-malloc,spinning,before,no-spin-bucket,triton,triton-aio,triton-front,"
-                         "triton-system-malloc")
+NEIGHBOUR_CONFIGS = ("model-1t,model-2t,default,aio,every-core,executor,event-engine,stream,stream-aio,"
+                     "kernel-slice,system-malloc,triton,triton-aio,triton-system-malloc")
+NEIGHBOUR_ALL_CONFIGS = ("model-1t,model-2t,default,aio,every-core,executor,event-engine,stream,stream-aio,"
+                         "front,kernel-slice,system-malloc,triton,triton-aio,triton-front,triton-system-malloc")
 
 
 def _register_neighbour(areas: Any) -> None:

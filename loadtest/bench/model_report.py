@@ -86,7 +86,7 @@ def index_bytes_per_item(dim: int, cs: CatalogSettings) -> dict[str, int]:
 def measure_speed(model_dir: Path, manifest: Manifest, variant: str, ms: ModelSettings,
                   cfg: ReportConfig) -> dict[str, Any]:
     backend = OnnxBackend(model_dir, manifest, variant=variant, threads=ms.intra_op_threads,
-                          max_batch=max(cfg.batch, 1), spinning=ms.ort_spinning, spin_us=ms.ort_spin_us)
+                          max_batch=max(cfg.batch, 1))
     rng = np.random.default_rng(cfg.seed)
     latency = {}
     for b, n in SHAPES:

@@ -16,7 +16,8 @@ the compiled sender (loadtest.native; the Python client where it cannot build, t
            against its queries/s alone (measured before the first and after the last configuration)
 
 Configurations (--configs, in this order by default; every embedded one states all its levers, so a
-shell's EMBEDCAR_* variables do not leak into them):
+shell's EMBEDCAR_* variables do not leak into them; the levers that lost, and their configurations,
+are gone: their figures are in docs/benchmarks.md, and a report of them still renders):
 
   model-1t, model-2t  the model alone in this process (no server): tokenize, pad to the exact
                       length, ORT on 1 / all threads without spinning, pool; its CPU per query
@@ -24,7 +25,6 @@ shell's EMBEDCAR_* variables do not leak into them):
                       the latency of the one with the lower P50 (the model's best thread setting)
   default             the sidecar as shipped (model settings' defaults; its ORT threads chosen at load)
   every-core          + model.intra_op_threads=<cores>: every pass on every core, not chosen
-  small-pass          + model.small_pass_tokens=64: short passes on a one-thread session
   executor            + sidecar.inline_forward=false: every forward on a worker thread (the default
                       runs it on the event loop while arrivals are sparse and nothing waits)
   event-engine        + GRPC_EXPERIMENTS="" (gRPC's own default I/O: sockets on EventEngine threads,
@@ -41,9 +41,6 @@ shell's EMBEDCAR_* variables do not leak into them):
                       (sidecar/allocator.py; the same as `default` where mimalloc is not installed)
   kernel-slice        + sidecar.cpu_slice_us=0: the kernel's default slice for the sidecar's threads
                       instead of the short one they ask for (sidecar.cpu_slice)
-  spinning            + model.ort_spinning=true
-  before              the old default: spinning, padded to the bucket (model.pad_multiple=0)
-  no-spin-bucket      spinning off, padded to the bucket
   triton              the sidecar over a local tritonserver (CPU, Python backend); skipped, saying
                       why, where the binary cannot run. Its sidecar CPU excludes tritonserver's
                       (a separate column)
@@ -92,16 +89,14 @@ log = logging.getLogger(__name__)
 Record = dict[str, Any]
 
 # The embedded path's levers this bench compares: ("section.field", value) per configuration.
-LEVERS = ("model.intra_op_threads", "model.ort_spinning", "model.pad_multiple", "model.small_pass_tokens",
-          "sidecar.inline_forward", "sidecar.cpu_slice_us", "sidecar.allocator", "sidecar.grpc_server",
-          "sidecar.native_grpc_port")
+LEVERS = ("model.intra_op_threads", "sidecar.inline_forward", "sidecar.cpu_slice_us", "sidecar.allocator",
+          "sidecar.grpc_server", "sidecar.native_grpc_port")
 AIO: dict[str, object] = {"sidecar.grpc_server": "aio"}
 SYSTEM_MALLOC: dict[str, object] = {"sidecar.allocator": "system"}
 EMBEDDED: dict[str, dict[str, object]] = {
     "default": {},
     "aio": AIO,
     "every-core": {"model.intra_op_threads": os.cpu_count() or 1},
-    "small-pass": {"model.small_pass_tokens": 64},
     "executor": {"sidecar.inline_forward": False},
     "event-engine": {EXPERIMENTS: ""},
     "stream": {},  # the defaults; its calls go on the Stream RPC (STREAMED)
@@ -109,20 +104,16 @@ EMBEDDED: dict[str, dict[str, object]] = {
     "front": AIO,  # and the compiled front on a free port (FRONTED), its calls sent there
     "kernel-slice": {"sidecar.cpu_slice_us": 0},
     "system-malloc": SYSTEM_MALLOC,
-    "spinning": {"model.ort_spinning": True},
-    "before": {"model.ort_spinning": True, "model.pad_multiple": 0},
-    "no-spin-bucket": {"model.ort_spinning": False, "model.pad_multiple": 0},
 }
 MODEL = {"model-1t": 1, "model-2t": 0}  # ORT threads (0 = every core)
 # The sidecar over a local tritonserver.
 TRITON = {"triton": {}, "triton-aio": AIO, "triton-front": AIO, "triton-system-malloc": SYSTEM_MALLOC}
 CONFIGS = (*MODEL, *EMBEDDED, *TRITON)
-DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "aio", "every-core", "small-pass", "executor",
-                   "event-engine", "stream", "stream-aio", "kernel-slice", "system-malloc", "spinning", "before",
-                   "triton", "triton-aio", "triton-system-malloc")
+DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "aio", "every-core", "executor", "event-engine", "stream",
+                   "stream-aio", "kernel-slice", "system-malloc", "triton", "triton-aio", "triton-system-malloc")
 STREAMED = {"stream", "stream-aio"}  # configurations whose queries are messages on one open Stream call
 FRONTED = {"front", "triton-front"}  # configurations whose calls go to the compiled gRPC front
-DESCRIPTIONS = {
+DESCRIPTIONS = {  # the retired configurations' too: their reports still render
     "model-1t": "the model alone, in-process, 1 thread, exact lengths",
     "model-2t": "the model alone, in-process, all threads, exact lengths",
     "default": "sidecar, embedded, the defaults",
@@ -315,8 +306,7 @@ class InProcessModel:
         m = settings.model
         manifest = load_manifest(m.model_dir)
         self.tokenizer = load_tokenizer(m.model_dir, manifest)
-        self.backend = OnnxBackend(m.model_dir, manifest, variant=m.variant, threads=threads, spinning=False,
-                                   pad_multiple=1)
+        self.backend = OnnxBackend(m.model_dir, manifest, variant=m.variant, threads=threads)
         self.backend.warm_up()
         self.threads = self.backend.threads
 

@@ -73,7 +73,7 @@ def prepare_data(folder: Path, model_dir: Path, variant: str, *, items: int = 50
     entry = build_lexical(lexical, texts, products)
     manifest = load_manifest(model_dir)
     tokenizer = load_tokenizer(model_dir, manifest)
-    backend = OnnxBackend(model_dir, manifest, variant=variant, pad_multiple=1)
+    backend = OnnxBackend(model_dir, manifest, variant=variant)
     sample = texts[:embedded]
     enc = tokenizer.encode(sample)
     base = np.empty((len(sample), manifest.dim), dtype=np.float32)

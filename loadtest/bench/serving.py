@@ -71,7 +71,6 @@ from inference.embedder import load_tokenizer
 from inference.errors import EmbedcarError, InvalidInput
 from inference.files import atomic_write_text
 from inference.manifest import Manifest, load_manifest
-from inference.settings import env_name
 from inference.tokenizer import QueryTokenizer
 from loadtest.infinity import DEFAULT_EXE, InfinityServer, infinity_unavailable_reason
 from loadtest.native import NativeTarget, native_unavailable_reason
@@ -252,11 +251,11 @@ async def sweep_targets(contenders: Sequence[Contender], rates: Sequence[float],
 # --- ceiling and same-model check -------------------------------------------------------------
 
 def measure_ceiling(model_dir: Path, manifest: Manifest, tokenizer: QueryTokenizer, variant: str,
-                    texts: Sequence[str], *, probe: str, threads: int, spinning: bool = True, spin_us: int = 0,
+                    texts: Sequence[str], *, probe: str, threads: int,
                     batch: int = 32, seconds: float = 3.0, warmup_batches: int = 5) -> tuple[Record, np.ndarray]:
     """Batched queries/s of the model alone in this process, and `probe` embedded the floor's way
     (the reference of the same-model check). Its ORT session is closed before it returns."""
-    backend = OnnxBackend(model_dir, manifest, variant=variant, threads=threads, spinning=spinning, spin_us=spin_us)
+    backend = OnnxBackend(model_dir, manifest, variant=variant, threads=threads)
     backend.warm_up()
 
     def embed(chunk: Sequence[str]) -> tuple[np.ndarray, int]:
@@ -347,10 +346,6 @@ def start_contenders(settings: Settings, cfg: ServingConfig, variant: str,
     kinds = cfg.kinds_for(variant)
     logs = cfg.log_dir
     logs.mkdir(parents=True, exist_ok=True)
-    # The flags' spinning settings reach the child processes too (SidecarProcess passes the model, its
-    # threads and lanes).
-    env = {env_name("model", "ort_spinning"): "1" if settings.model.ort_spinning else "0",
-           env_name("model", "ort_spin_us"): str(settings.model.ort_spin_us)}
     out: list[Contender] = []
     sidecar: Any = None
     for kind in kinds:
@@ -365,7 +360,7 @@ def start_contenders(settings: Settings, cfg: ServingConfig, variant: str,
 
                     log.info("starting the sidecar (embedded backend, %s)", variant)
                     sidecar = stack.enter_context(SidecarProcess(
-                        settings, backend="embedded", variant=variant, extra_env=env,
+                        settings, backend="embedded", variant=variant,
                         log_file=logs / f"sidecar-embedded-{variant}.log"))
                 if kind != "http":
                     stream, native = kind.startswith("stream"), kind.endswith("-native")
@@ -392,7 +387,7 @@ def start_contenders(settings: Settings, cfg: ServingConfig, variant: str,
                 server = stack.enter_context(TritonServer(settings, variant=variant,
                                                           log_file=logs / f"tritonserver-{variant}.log"))
                 sc = stack.enter_context(SidecarProcess(
-                    settings, backend="triton", variant=variant, triton_url=server.grpc_url, extra_env=env,
+                    settings, backend="triton", variant=variant, triton_url=server.grpc_url,
                     log_file=logs / f"sidecar-triton-{variant}.log"))
                 c.target = SidecarEmbedTarget(sc.grpc_target, triton_stats_url=server.grpc_url)
                 c.vector = _grpc_vector(sc.grpc_target)
@@ -474,9 +469,7 @@ def run_serving(settings: Settings, cfg: ServingConfig, *, out_dir: Path,
         probe = mix.next()
         ceiling, reference = measure_ceiling(model_dir, manifest, tokenizer, variant, mix.take(cfg.ceiling_batch * 32),
                                              probe=probe, threads=settings.model.intra_op_threads,
-                                             spinning=settings.model.ort_spinning,
-                                             spin_us=settings.model.ort_spin_us, batch=cfg.ceiling_batch,
-                                             seconds=cfg.ceiling_s)
+                                             batch=cfg.ceiling_batch, seconds=cfg.ceiling_s)
         result["ceilings"][variant] = ceiling
         with contextlib.ExitStack() as stack:
             contenders = start_contenders(settings, cfg, variant, stack)
