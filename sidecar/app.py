@@ -2,8 +2,7 @@
 
     async with Sidecar(settings) as sc:      # gRPC on sc.grpc_target (served by sc.grpc_server: the
         ...                                  # compiled front or grpc.aio), HTTP on sc.http_port, gRPC
-                                             # also on sc.uds_target if sidecar.uds_path is set, Embed,
-                                             # Search and Stream on sc.native_grpc_port if its setting is
+                                             # also on sc.uds_target if sidecar.uds_path is set
 
 `SidecarThread` runs one on its own event loop in a background thread (tests, benchmarks).
 """
@@ -29,6 +28,7 @@ from inference.errors import EmbedcarError, InvalidInput, Unavailable
 from inference.manifest import Manifest
 from inference.ports import check_listenable, listen_error, listen_tcp
 from inference.tokenizer import QueryTokenizer
+from sidecar import models
 from sidecar.admission import Admission
 from sidecar.auth import KeyRing, check_bind
 from sidecar.cache import EmbeddingCache
@@ -56,6 +56,8 @@ if TYPE_CHECKING:
     from catalog.index import ProductIndex
 
 log = logging.getLogger(__name__)
+# While a backend is down it is probed this often: a restarted Triton is back in service within it.
+HEALTH_POLL_S = 0.5
 
 
 class Sidecar:
@@ -86,13 +88,11 @@ class Sidecar:
         self.service = EmbedService(self.models, keys=self.keys, limiter=RateLimiter(s.rate_per_s, s.burst),
                                     metrics=self.metrics, default_deadline_s=s.default_deadline_ms / 1e3,
                                     max_k=s.max_k)
-        in_flight = s.max_in_flight or (s.max_pending_batches + 1) * s.max_rows_per_pass
+        in_flight = s.max_in_flight or (models.MAX_PENDING_BATCHES + 1) * s.max_rows_per_pass
         # One in-flight cap, each front at most FRONT_SHARE of it (sidecar.shedding): gRPC's and HTTP's.
         self.gate = Gate(lambda: self.models.default.admission, self.metrics, in_flight, share=FRONT_SHARE)
         self.http_gate = self.gate.front(FRONT_SHARE)
         self.grpc_port = 0
-        self.native_grpc_port: int | None = None  # the compiled front's, when sidecar.native_grpc_port >= 0
-        self._front: NativeFront | None = None
         self._main_front: NativeFront | None = None  # serving grpc_port (sidecar.grpc_server=compiled)
         self.uds: UnixSocket | None = None
         self.http_port: int | None = None
@@ -177,15 +177,14 @@ class Sidecar:
         s = self.settings.sidecar
         # Every port before any server starts: a port in use is one line naming its flag, not a
         # gRPC core log line and a half-started server (a same-host race is still caught at bind).
-        for flag, port in (("--grpc-port", s.grpc_port), ("--native-grpc-port", s.native_grpc_port),
-                           ("--http-port", s.http_port)):
+        for flag, port in (("--grpc-port", s.grpc_port), ("--http-port", s.http_port)):
             if port >= 0:
                 await asyncio.to_thread(check_listenable, s.host, port, flag=flag)
         self._health = HealthServicer()
         await self._set_health(False)  # NOT_SERVING until the backend is warm
         if self._settle_heap:  # the process's collector is ours to report
             self._unwatch_gc = heap.watch_pauses(self.metrics.observe_gc_pause)
-        servicer = EmbedderServicer(self.service, self.metrics, self.gate, max_owed=s.stream_max_owed)
+        servicer = EmbedderServicer(self.service, self.metrics, self.gate)
         if s.grpc_server == "compiled" and self._front_builds():
             await self._start_compiled(servicer)
         else:
@@ -195,18 +194,6 @@ class Sidecar:
                 raise listen_error("--grpc-port", s.host, s.grpc_port, "gRPC could not bind it (in use, or not an "
                                    "address of this host)") from exc
             await self._grpc.start()
-        if s.native_grpc_port >= 0:
-            if self.tls is not None:
-                raise InvalidInput("sidecar.native_grpc_port serves plaintext only: turn it off with TLS "
-                                   "(the main gRPC port serves TLS)")
-            self._front = NativeFront(servicer.requests, asyncio.get_running_loop(), backlog=s.transport_backlog)
-            try:
-                self.native_grpc_port = await asyncio.to_thread(self._front.start, s.host, s.native_grpc_port,
-                                                                s.max_message_bytes, front_limits(s))
-            except Unavailable as exc:
-                raise Unavailable(f"sidecar.native_grpc_port: {exc.message}") from exc
-            except OSError as exc:  # the front's bind failed (sidecar/native_front.py)
-                raise listen_error("--native-grpc-port", s.host, s.native_grpc_port, str(exc)) from exc
         if s.http_port >= 0:
             await self._start_http(s.host, s.http_port, s.max_message_bytes)
         for m in self.models:
@@ -225,12 +212,11 @@ class Sidecar:
             m.health.mark(True)
         await self._set_health(True)
         self._monitor = loop.create_task(self._watch_backend(), name="backend-health")
-        if s.model_poll_s > 0:
+        if s.poll_s > 0:
             self._rollout = loop.create_task(self.rollout.run(), name="model-rollout")
-        log.info("sidecar serving %s on grpc %s:%d (%s)%s%s, http %s", ", ".join(m.version_id for m in self.models),
+        log.info("sidecar serving %s on grpc %s:%d (%s)%s, http %s", ", ".join(m.version_id for m in self.models),
                  s.host, self.grpc_port, self.grpc_server,
                  f" and {self.uds.path}" if self.uds is not None else "",
-                 f", compiled front :{self.native_grpc_port}" if self.native_grpc_port is not None else "",
                  self.http_port if self.http_port is not None else "off")
 
     @property
@@ -262,9 +248,8 @@ class Sidecar:
     def _switched(self, m: ServedModel) -> None:
         """A model version went into service (at start, or by a rollout)."""
         m.health.on_down = lambda: self._spawn(self._set_health(self.can_answer))
-        for front in (self._main_front, self._front):
-            if front is not None:
-                front.calls(m.backend)
+        if self._main_front is not None:
+            self._main_front.calls(m.backend)
         self.metrics.model_info.clear()
         for served in self.models:
             self.metrics.model_info.labels(served.name, served.version_id).set(1)
@@ -283,19 +268,17 @@ class Sidecar:
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
             self.serving = False
-        for front in (self._main_front, self._front):
-            if front is not None:
-                front.shutdown_health()
+        if self._main_front is not None:
+            self._main_front.shutdown_health()
         for task in (self._monitor, self._rollout):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._monitor = self._rollout = None
-        for front in (self._main_front, self._front):
-            if front is not None:
-                await front.stop(grace)
-        self._main_front = self._front = None
+        if self._main_front is not None:
+            await self._main_front.stop(grace)
+        self._main_front = None
         if self._grpc is not None:
             await self._grpc.stop(grace)  # refuses new calls, lets in-flight ones finish within `grace`
             self._grpc = None
@@ -371,9 +354,8 @@ class Sidecar:
             status = health_status(serving)
             await self._health.set("", status)
             await self._health.set(SERVICE, status)
-        for front in (self._main_front, self._front):
-            if front is not None:
-                front.set_serving(serving, ("", SERVICE))
+        if self._main_front is not None:
+            self._main_front.set_serving(serving, ("", SERVICE))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -382,7 +364,7 @@ class Sidecar:
 
     async def _watch_backend(self) -> None:
         """While up: trust each backend's ready(). While down: probe it until it answers again."""
-        poll = self.settings.sidecar.health_poll_s
+        poll = HEALTH_POLL_S
         while True:
             await asyncio.sleep(poll)
             for m in self.models:

@@ -23,7 +23,7 @@ log = logging.getLogger("sidecar")
 def add_sidecar_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     add_flags(p, "triton", TritonSettings, "urls")
-    add_flags(p, "sidecar", SidecarSettings, "models", "host", "grpc_port", "grpc_server", "native_grpc_port",
+    add_flags(p, "sidecar", SidecarSettings, "models", "host", "grpc_port", "grpc_server",
               "uds_path", "http_port", "backend", "index_dir", "api_keys_file", "warm_queries_file", "cache_entries",
               "tls_cert_file", "tls_key_file", "tls_client_ca_file")
 
@@ -48,10 +48,10 @@ def _serve(args: argparse.Namespace) -> int:
     described = settings.describe()  # secrets redacted
     log.info("settings: %s", json.dumps({k: described[k] for k in ("model", "sidecar")}))
     log.info("allocator: %s", allocator)
-    if settings.sidecar.cpu_slice_us > 0:  # before the model's and gRPC's threads start: they inherit it
-        from sidecar.cpu_slice import set_slice
+    from sidecar.cpu_slice import SIDECAR_SLICE_US, set_slice
 
-        log.info("CPU slice: %s", set_slice(settings.sidecar.cpu_slice_us))
+    # Before the model's and gRPC's threads start: they inherit it.
+    log.info("CPU slice: %s", set_slice(SIDECAR_SLICE_US))
     from sidecar.event_loop import new_event_loop
 
     with asyncio.Runner(loop_factory=new_event_loop) as runner:  # the loop the compiled front answers beside
@@ -75,7 +75,6 @@ async def _serve_async(settings: Settings) -> None:
     await sidecar.start()
     print(f"sidecar ready: grpc {settings.sidecar.host}:{sidecar.grpc_port} ({sidecar.grpc_server})"
           f"{f', grpc {sidecar.uds_target}' if sidecar.uds_target is not None else ''}"
-          f"{f', compiled grpc {settings.sidecar.host}:{sidecar.native_grpc_port}' if sidecar.native_grpc_port else ''}"
           f"{f', http {settings.sidecar.host}:{sidecar.http_port}' if sidecar.http_port is not None else ''}"
           f"{_search_state(sidecar) if settings.sidecar.index_dir is not None else ''}", flush=True)
     await stop.wait()

@@ -26,6 +26,9 @@ from pathlib import Path
 
 SCHED_OTHER, SCHED_BATCH = 0, 3
 MIN_US, MAX_US = 100, 100_000  # what the kernel accepts for a fair thread's slice
+# The sidecar's slice: the shortest, so a query preempts the neighbour's thread; beside a busy one it
+# cut refusals and P95 at no extra CPU (docs/benchmarks.md, the levers' "0.1 ms CPU slice" row).
+SIDECAR_SLICE_US = MIN_US
 # (sched_setattr, sched_getattr) by machine: the generic numbers (arm64, riscv) and x86_64's own.
 _SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275), "arm64": (274, 275), "riscv64": (274, 275)}
 

@@ -34,6 +34,15 @@ from sidecar.wire import API_KEY, RETRY_AFTER_KEY, SERVICE
 
 HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 SERVED = (SERVICE, HEALTH, reflection.SERVICE_NAME)  # what reflection lists
+# A caller's limits on either server (docs/reliability.md, the hostile-gRPC table): calls open at once on
+# one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; past it the client waits), a connection without
+# calls closed (GOAWAY; clients reconnect), the compiled front's buffers under one gRPC resource quota,
+# and a Stream that stops reading while this many replies are owed or unwritten (a caller that sends
+# and never reads holds at most these).
+GRPC_MAX_STREAMS = 100
+GRPC_IDLE_S = 600
+GRPC_MEMORY_MB = 256
+STREAM_MAX_OWED = 64
 
 
 def _key_in(metadata: Any) -> str | None:
@@ -105,35 +114,33 @@ class FrontLimits:
 
 
 def front_limits(settings: SidecarSettings) -> FrontLimits:
-    """The limits of a production gRPC server, from settings: concurrent streams per connection, idle and
-    maximum connection age, keepalive (the server pings a silent peer and drops a dead one; a client
+    """The limits of a production gRPC server: concurrent streams per connection, idle and maximum
+    connection age (from settings), keepalive (the server pings a silent peer and drops a dead one; a client
     pinging more often than every 10 s without calls is told GOAWAY after two strikes), header size."""
     ms = 1000
     options = [
-        ("grpc.max_concurrent_streams", settings.grpc_max_streams),
+        ("grpc.max_concurrent_streams", GRPC_MAX_STREAMS),
         ("grpc.keepalive_time_ms", 60 * ms),
         ("grpc.keepalive_timeout_ms", 20 * ms),
         ("grpc.http2.min_ping_interval_without_data_ms", 10 * ms),
         ("grpc.http2.max_ping_strikes", 2),
         ("grpc.max_metadata_size", 16 * 1024),
+        ("grpc.max_connection_idle_ms", GRPC_IDLE_S * ms),
     ]
-    if settings.grpc_idle_s > 0:
-        options.append(("grpc.max_connection_idle_ms", int(settings.grpc_idle_s * ms)))
     if settings.grpc_max_connection_age_s > 0:
         options += [("grpc.max_connection_age_ms", int(settings.grpc_max_connection_age_s * ms)),
                     ("grpc.max_connection_age_grace_ms", int(settings.grace_s * ms))]
-    return FrontLimits(tuple(options), settings.grpc_memory_mb * 1024 * 1024, settings.stream_max_owed)
+    return FrontLimits(tuple(options), GRPC_MEMORY_MB * 1024 * 1024, STREAM_MAX_OWED)
 
 
 class EmbedderServicer:
     """Embed and Search as unary calls (an error ends the call with its status), and both over `Stream`
     (sidecar.calls.StreamSession: an error is that message's reply)."""
 
-    def __init__(self, service: EmbedService, metrics: Metrics, gate: Gate | None = None, *,
-                 max_owed: int = 64) -> None:
+    def __init__(self, service: EmbedService, metrics: Metrics, gate: Gate | None = None) -> None:
         self.service = service
         self.requests = Requests(service, metrics, gate)
-        self.max_owed = max_owed  # a Stream's replies in flight before it stops reading (sidecar.stream_max_owed)
+        self.max_owed = STREAM_MAX_OWED  # a Stream's replies in flight before it stops reading
 
     async def embed(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         return await self._unary("embed", raw, context)

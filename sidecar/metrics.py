@@ -91,7 +91,7 @@ ALERTS: dict[str, str] = {
     "embedcar_forward_passes": "No alert: embedded forward passes by the thread that ran them; thread=loop "
     "while queries arrive sparsely (no thread hop), thread=front for such a query taken by the compiled gRPC "
     "front (sidecar.grpc_server=compiled, the default; on the Triton backend: the Triton calls it made "
-    "itself), thread=worker under load or with sidecar.inline_forward=false.",
+    "itself), thread=worker under load.",
     "embedcar_backend_answers": "backend=embedded-fallback above zero: Triton is down and the in-process model "
     "answers in its place.",
     "embedcar_backend_up": "0 for more than a minute (the backend is down; with embedded_fallback the "

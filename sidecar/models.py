@@ -38,6 +38,14 @@ if TYPE_CHECKING:
     from catalog.index import ProductIndex
 
 FALLBACK = "embedded-fallback"  # how replies and metrics name the fallback when it answered
+# Admission: batches that may wait behind the running one (with sidecar.max_rows_per_pass, the queue's size).
+MAX_PENDING_BATCHES = 2
+# Embedded micro-batcher: the longest wait to fill a batch once a queue forms (a sparse query runs at once).
+BATCH_WAIT_US = 500
+# A forward pass runs on the event loop itself while arrivals are sparse and nothing waits: ~0.3-0.5 ms
+# less CPU per query on 2 vCPUs (docs/benchmarks.md, "the forward pass on the event loop only while sparse").
+INLINE_FORWARD = True
+CACHE_TTL_S = 3600.0  # a hot-query cache entry's lifetime; a new model version gets a new cache anyway
 
 
 @dataclass(eq=False)
@@ -135,7 +143,7 @@ def build_model(settings: Settings, name: str, metrics: Metrics, *, backend: Bac
     backend = backend if backend is not None else make_backend(settings, s.backend)
     tokenizer = load_tokenizer(model_dir, manifest, max_text_chars=settings.model.truncate_text_chars)
     hosts = max(1, len(settings.triton.urls)) if backend.batches_itself else 1
-    admission = Admission(max_outstanding_items=(s.max_pending_batches + 1) * s.max_rows_per_pass * hosts,
+    admission = Admission(max_outstanding_items=(MAX_PENDING_BATCHES + 1) * s.max_rows_per_pass * hosts,
                           budget_s=s.admission_budget_ms / 1e3, lanes=backend.lanes)
     mm = metrics.for_model(name, backend.version_id)
     health = BackendHealth(mm)
@@ -144,22 +152,23 @@ def build_model(settings: Settings, name: str, metrics: Metrics, *, backend: Bac
         # Triton batches itself: straight through. The embedded model does not: the micro-batcher.
         if b.batches_itself:
             return DirectScheduler(b, tokenizer, mm)
-        return MicroBatcher(b, tokenizer, max_items=s.max_rows_per_pass, wait_us=s.batch_wait_us,
-                            admission=admission, metrics=mm, label=label, inline=s.inline_forward)
+        return MicroBatcher(b, tokenizer, max_items=s.max_rows_per_pass, wait_us=BATCH_WAIT_US,
+                            admission=admission, metrics=mm, label=label, inline=INLINE_FORWARD)
 
     fallback: Scheduler | None = None
     if backend.batches_itself and s.embedded_fallback and _model_file_present(settings, manifest):
         # While Triton is down the sidecar still holds the model: answer with it rather than fail.
         fallback = scheduler_for(make_backend(settings, "embedded"), FALLBACK)
     scheduler = FallbackScheduler(scheduler_for(backend), fallback, health)
-    holder = IndexHolder(index, index_root=s.index_dir, expected_model_id=backend.version_id, poll_s=s.index_poll_s,
+    # sidecar.poll_s 0 stops model rollouts only: an index is always looked for.
+    holder = IndexHolder(index, index_root=s.index_dir, expected_model_id=backend.version_id, poll_s=s.poll_s or 5.0,
                          catalog=settings.catalog, on_load=on_index_load)
-    cache = EmbeddingCache(backend.version_id, s.cache_entries, s.cache_ttl_s, s.cache_max_bytes)
+    cache = EmbeddingCache(backend.version_id, s.cache_entries, CACHE_TTL_S, s.cache_max_bytes)
     pipeline = EmbedPipeline(
         tokenizer=tokenizer, lowercase=manifest.lowercase, cache=cache, admission=admission, scheduler=scheduler,
         metrics=mm, dim=backend.dim,
         max_batch=min(settings.model.max_texts_per_call, backend.max_batch if backend.max_batch > 0 else 256),
-        max_chars=s.max_text_chars, max_items_per_call=s.max_rows_per_pass, max_request_chars=s.max_request_chars)
+        max_chars=s.max_text_chars, max_items_per_call=s.max_rows_per_pass)
     return ServedModel(name, manifest, backend, tokenizer, cache, admission, health, scheduler, holder, pipeline,
                        owns, s.max_rows_per_pass, mm)
 

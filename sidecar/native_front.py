@@ -1,6 +1,5 @@
 """The compiled gRPC front: the sidecar's main gRPC port by default (`sidecar.grpc_server=compiled`,
-its Unix socket and TLS too), or a plaintext port of its own beside a grpc.aio one
-(`sidecar.native_grpc_port`), served by gRPC's C++ library (sidecar/native/front.cc, built on first
+its Unix socket and TLS too), served by gRPC's C++ library (sidecar/native/front.cc, built on first
 use) instead of grpc.aio.
 
 A grpc.aio call wakes gRPC's poller thread, which wakes the event loop: two threads, each paying its

@@ -39,6 +39,10 @@ TOKENIZE_ON_LOOP_CHARS = 4096
 # texts are normalised on a worker thread. NFKC may write 18 for one read, so a request is weighed
 # by what it may write; one short query, the usual request, is weighed by one multiplication.
 NORMALIZE_ON_LOOP_CHARS = 16_384
+# Most characters one request's texts may hold after NFKC (one character may become 18: U+FDFA), counted
+# as they are normalised so the work stops there; more is INVALID_ARGUMENT (docs/reliability.md: a
+# 3.9 MB request of U+FDFA took 14.8 s of the loop uncapped, 0.08 s capped).
+MAX_REQUEST_CHARS = 250_000
 
 
 @dataclass(slots=True)
@@ -67,7 +71,7 @@ class Lookup:
 class EmbedPipeline:
     def __init__(self, *, tokenizer: QueryTokenizer, lowercase: bool, cache: EmbeddingCache, admission: Admission,
                  scheduler: Scheduler, metrics: ModelMetrics, dim: int, max_batch: int, max_chars: int,
-                 max_items_per_call: int, max_request_chars: int = 1 << 62) -> None:
+                 max_items_per_call: int, max_request_chars: int = MAX_REQUEST_CHARS) -> None:
         self.tokenizer = tokenizer
         self.lowercase = lowercase
         self.cache = cache

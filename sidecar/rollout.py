@@ -2,7 +2,7 @@
 
 A team retrains weekly: `embedcar model prepare --from NEW --model NAME` replaces the model's
 directory (the old one kept as NAME.previous) and `embedcar catalog build` adds an index version
-built with the new model. Each sidecar notices the new manifest (sidecar.model_poll_s) and builds
+built with the new model. Each sidecar notices the new manifest (sidecar.poll_s) and builds
 the new version beside the one in service, off the request path:
 
     new manifest seen -> candidate ServedModel: backend loaded and warm, admission calibrated,
@@ -48,7 +48,7 @@ class Rollout:
         self._retiring: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
-        poll = self.settings.sidecar.model_poll_s
+        poll = self.settings.sidecar.poll_s
         while True:
             await asyncio.sleep(poll)
             for current in self.models:

@@ -26,12 +26,6 @@ class SidecarSettings:
         "answered in-process; ~1 ms less CPU per query on a slow 2-vCPU host (docs/benchmarks.md). "
         "`aio` = grpc.aio alone. Where the front cannot be built (no g++ or libgrpc++) the sidecar says so "
         "and serves with grpc.aio.", choices=("compiled", "aio"), advanced=True)
-    native_grpc_port: int = setting(
-        -1, "Also serve Embed, Search and Stream over gRPC on this port from the compiled front (gRPC's C++ library, "
-        "built on first use; sidecar/native_front.py): a query that needs no waiting is answered on the gRPC "
-        "thread that took it (on the Triton backend that thread makes the Triton call itself), 0.1-0.5 ms less "
-        "CPU per call than a grpc.aio main port (docs/benchmarks.md; grpc_server=compiled puts the front on "
-        "grpc_port itself). Plaintext TCP only. 0 = pick a free one, -1 = off.", min=-1, max=PORT_MAX, advanced=True)
     http_port: int = setting(8080, "HTTP facade port (0 = pick a free one, -1 = off).", min=-1, max=PORT_MAX)
     http_header_timeout_s: float = setting(
         10.0, "HTTP: a request's header block must be complete this long after the connection opened or its "
@@ -66,37 +60,16 @@ class SidecarSettings:
     rate_per_s: float = setting(1000.0, "Token bucket refill rate per tenant (requests/s).", min=0, advanced=True)
     burst: int = setting(200, "Token bucket size per tenant.", min=1, advanced=True)
     cache_entries: int = setting(100_000, "Hot-query cache size in entries (0 = off).", min=0, advanced=True)
-    cache_ttl_s: float = setting(3600.0, "Cache entry lifetime.", min=0, advanced=True)
     cache_max_bytes: int = setting(
         192 * 1024 * 1024, "Hot-query cache size in bytes, each entry counted as its vector, its 16-byte key "
         "(a digest, never the text) and ~500 bytes of bookkeeping: ~2 KB for a 384-dimension model (0 = off).",
         min=0, advanced=True)
     max_message_bytes: int = setting(4 * 1024 * 1024, "Largest gRPC/HTTP request body.",
                                      min=1024, max=INT32_MAX, advanced=True)
-    grpc_max_streams: int = setting(
-        100, "gRPC: concurrent calls (streams) one connection may have open; past it the client waits "
-        "(HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS).", min=1, max=INT32_MAX, advanced=True)
-    grpc_idle_s: float = setting(
-        600.0, "gRPC: a connection with no call for this long is closed (GOAWAY; clients reconnect). 0 = never.",
-        min=0, max=INT32_MAX // 1000, advanced=True)
     grpc_max_connection_age_s: float = setting(
         0.0, "gRPC: a connection older than this is asked to go away, its calls given grace_s to finish "
         "(behind a load balancer, to spread reconnections). 0 = no limit: a search node's Stream may stay open.",
         min=0, max=INT32_MAX // 1000, advanced=True)
-    grpc_memory_mb: int = setting(
-        256, "Compiled gRPC front: memory its connections' buffers may hold together (a gRPC resource quota); "
-        "under pressure gRPC shrinks buffers and refuses new streams.", min=0, advanced=True)
-    stream_max_owed: int = setting(
-        64, "gRPC Stream: requests one stream may have unanswered or unwritten before the sidecar stops "
-        "reading it (a caller that sends and never reads holds at most this many).", min=1, advanced=True)
-    batch_wait_us: int = setting(500, "Embedded micro-batcher: longest wait to fill a batch.", min=0, advanced=True)
-    inline_forward: bool = setting(
-        True, "Embedded micro-batcher: run a forward pass on the event loop itself when no other request "
-        "is queued and arrivals are sparse (a pass under half the gap between them): no thread hop each "
-        "way, ~0.3-0.5 ms less CPU per query on a 2-vCPU host; the loop waits for the pass "
-        "(docs/benchmarks.md). false = every pass on a worker thread.", advanced=True)
-    max_pending_batches: int = setting(2, "Admission: batches allowed to wait behind the running one.",
-                                       min=0, advanced=True)
     admission_budget_ms: float = setting(
         8.0, "Admission: reject a request that would wait behind more than this much queued inference "
         "(keeps accepted latency within the 20 ms SLA under overload, the excess refused at once: the wait, "
@@ -106,14 +79,15 @@ class SidecarSettings:
         "(refusing at random between it and twice it), gRPC refuses a new call itself, before any Python runs "
         "(~70 µs of CPU against ~500 µs for the cheapest refusal in a handler); the caller sees CANCELLED "
         "(inference.errors.Shed). Sized so that a call waits there about the admission budget at most: "
-        "admission_budget_ms ÷ ~0.5 ms of event-loop time per call. The compiled front (native_grpc_port) "
+        "admission_budget_ms ÷ ~0.5 ms of event-loop time per call. The compiled front "
         "refuses past the same number of calls handed to the loop (RESOURCE_EXHAUSTED, on its own thread). "
         "0 = gRPC's defaults (1000 / 3000), and no bound on the front.", min=0, max=INT32_MAX // 2, advanced=True)
     max_in_flight: int = setting(
         0, "HTTP requests (once their body has arrived) and Stream messages in progress at once, each front at "
         "most 3/4 of it (neither can starve the other): beyond it a new one is refused at once (HTTP 429 + "
         "Retry-After; a Stream message's error reply before decoding it; a gRPC unary call while it is full). "
-        "0 = the admission queue's own size, (max_pending_batches + 1) x max_rows_per_pass.", min=0, advanced=True)
+        "0 = the admission queue's own size, 3 x max_rows_per_pass (two batches may wait behind the running one).",
+        min=0, advanced=True)
     default_deadline_ms: int = setting(1000, "Deadline for requests that carry none.", min=1, advanced=True)
     warm_queries_file: Path | None = setting(None, "Optional file of top queries to pre-load the cache.",
                                              flag="warm-queries", advanced=True)
@@ -123,34 +97,21 @@ class SidecarSettings:
         10_000, "Texts longer than this are rejected (INVALID_ARGUMENT), before model.truncate_text_chars "
         "could cut them; a text that Unicode normalisation (NFKC) grows past that cut is cut and flagged "
         "`truncated`.", min=1, advanced=True)
-    max_request_chars: int = setting(
-        250_000, "Most characters one request's texts may hold after Unicode normalisation (NFKC can make one "
-        "character 18: U+FDFA), counted as they are normalised so the work stops there; more is refused "
-        "(INVALID_ARGUMENT). Each text counts at most model.truncate_text_chars, all the tokenizer reads of it.",
-        min=1, advanced=True)
     max_rows_per_pass: int = setting(
         32, "Most texts in one backend call (one forward pass): the embedded micro-batcher fills batches up "
-        "to it and a bigger request is split into calls of it; with max_pending_batches it sizes admission. "
+        "to it and a bigger request is split into calls of it; 3 x it sizes admission. "
         "A request may carry up to model.max_texts_per_call texts.", min=1, advanced=True)
     max_k: int = setting(100, "Largest k a Search may ask for.", min=1, advanced=True)
-    index_poll_s: float = setting(5.0, "How often to look for a newer catalog index version.", min=0.01, advanced=True)
-    model_poll_s: float = setting(
-        5.0, "How often to look for a new version of each served model (its manifest, after `model prepare` or "
-        "`model rollback`): it is loaded and warmed beside the one in service and switched in together with an "
-        "index built by it (sidecar/rollout.py). 0 = never: a new version needs a restart.", min=0, advanced=True)
-    health_poll_s: float = setting(0.5, "How often to probe the backend while it is down.", min=0.01, advanced=True)
+    poll_s: float = setting(
+        5.0, "How often to look for a newer catalog index version and a new version of each served model (its "
+        "manifest, after `model prepare` or `model rollback`): a new model is loaded and warmed beside the one in "
+        "service and switched in together with an index built by it (sidecar/rollout.py). 0 = the model never: "
+        "a new version needs a restart (the index is still looked for, every 5 s).", min=0, advanced=True)
     allocator: str = setting(
         "auto", "The sidecar's malloc: `auto` = mimalloc where it is installed (`make native` installs it; "
         "0.07 ms less CPU per Triton-backend query on a 2-vCPU host, docs/benchmarks.md), else the C library's; "
         "`system` = the C library's; or a malloc library's path (jemalloc, say). Preloaded: `sidecar serve` "
         "starts itself again with it (sidecar/allocator.py).", advanced=True)
-    cpu_slice_us: int = setting(
-        100, "CPU slice the sidecar's threads ask Linux's scheduler for (EEVDF, kernel 6.12+; 100-100000 µs): "
-        "woken for a query they preempt a busy search engine's thread instead of waiting out its slice, at no "
-        "extra CPU (sidecar/cpu_slice.py, docs/benchmarks.md). 0 = the kernel's default.",
-        min=0, max=100_000, advanced=True)
-
-
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from sidecar.client import Client
 def sidecar_settings(settings: Settings, **changes: Any) -> Settings:
     """Test settings: loopback, free ports, generous limits unless a test sets its own."""
     base: dict[str, Any] = {"host": "127.0.0.1", "grpc_port": 0, "http_port": 0, "rate_per_s": 1e6,
-                            "burst": 1_000_000, "health_poll_s": 0.2, "grace_s": 1.0,
+                            "burst": 1_000_000, "grace_s": 1.0,
                             # the box is shared with other test runs: correctness tests must not
                             # trip deadlines or latency budgets meant for production latency
                             "default_deadline_ms": 60_000, "admission_budget_ms": 0.0}

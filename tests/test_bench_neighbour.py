@@ -33,7 +33,6 @@ from loadtest.bench.neighbour import (
     table_rows,
     write_reports,
 )
-from sidecar.native_front import unavailable_reason as front_unavailable_reason
 from sidecar.settings import SidecarSettings
 
 
@@ -158,11 +157,8 @@ def test_markdown_has_one_row_per_configuration(tmp_path: Path) -> None:
 def test_each_embedded_configuration_states_every_lever() -> None:
     d, sc = ModelSettings(), SidecarSettings()
     assert embedded_env("default") == {"EMBEDCAR_MODEL_INTRA_OP_THREADS": str(d.intra_op_threads),
-                                       "EMBEDCAR_SIDECAR_INLINE_FORWARD": str(sc.inline_forward).lower(),
-                                       "EMBEDCAR_SIDECAR_CPU_SLICE_US": str(sc.cpu_slice_us),
                                        "EMBEDCAR_SIDECAR_ALLOCATOR": sc.allocator,
                                        "EMBEDCAR_SIDECAR_GRPC_SERVER": sc.grpc_server,
-                                       "EMBEDCAR_SIDECAR_NATIVE_GRPC_PORT": str(sc.native_grpc_port),
                                        "GRPC_EXPERIMENTS": POLLING_IO}
     assert embedded_env("event-engine")["GRPC_EXPERIMENTS"] == ""  # gRPC's own default I/O
     assert embedded_env("stream") == embedded_env("default")  # only the RPC differs
@@ -170,12 +166,9 @@ def test_each_embedded_configuration_states_every_lever() -> None:
     assert aio["EMBEDCAR_SIDECAR_GRPC_SERVER"] == "aio" != sc.grpc_server
     assert aio == embedded_env("default") | {"EMBEDCAR_SIDECAR_GRPC_SERVER": "aio"}
     assert embedded_env("stream-aio") == embedded_env("triton-aio") == aio  # only the RPC or backend differs
-    assert embedded_env("front") == embedded_env("triton-front") == aio  # the front's port is chosen when it runs
     assert embedded_env("triton") == embedded_env("default")
-    assert embedded_env("kernel-slice")["EMBEDCAR_SIDECAR_CPU_SLICE_US"] == "0"
     system = embedded_env("default") | {"EMBEDCAR_SIDECAR_ALLOCATOR": "system"}
     assert embedded_env("system-malloc") == embedded_env("triton-system-malloc") == system
-    assert embedded_env("executor")["EMBEDCAR_SIDECAR_INLINE_FORWARD"] == "false"
     assert embedded_env("every-core")["EMBEDCAR_MODEL_INTRA_OP_THREADS"] == str(os.cpu_count() or 1)
 
 
@@ -189,8 +182,7 @@ def test_config_and_cli_lists_agree() -> None:
 @pytest.mark.slow
 def test_bench_neighbour_end_to_end(tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "report"
-    # The compiled front's own port where it builds here (tests/test_sidecar_native_front.py says why not).
-    configs = ["model-2t", "default", "stream", "aio"] + (["front"] if front_unavailable_reason() is None else [])
+    configs = ["model-2t", "default", "stream", "aio"]
     rc = cli_main(["bench", "neighbour", "--models-dir", str(model_dir.parent), "--variant", "int8",
                    "--configs", ",".join(configs), "--rate", "20", "--duration", "2", "--pairs", "2",
                    "--warmup", "0.5", "--idle", "0.5", "--items", "2000", "--embedded-items", "32", "--out", str(out),
@@ -213,13 +205,8 @@ def test_bench_neighbour_end_to_end(tmp_path: Path, model_dir: Path) -> None:
     for row in (default, stream):  # two blocks of 20 requests beside the sidecar's two
         assert row["model_paired"]["requests"] == 40 and row["model_paired"]["threads"] >= 1
         assert 0 < row["model_paired"]["cpu_ms_per_query"] < 1_000
-    assert default["env"]["EMBEDCAR_SIDECAR_NATIVE_GRPC_PORT"] == "-1"
     aio = result["rows"][3]
     assert aio["rpc"] == "unary" and aio["env"] == default["env"] | {"EMBEDCAR_SIDECAR_GRPC_SERVER": "aio"}
-    if "front" in configs:  # a grpc.aio main port, and the front on a port of its own
-        front = result["rows"][4]
-        assert front["rpc"] == "unary" and int(front["env"].pop("EMBEDCAR_SIDECAR_NATIVE_GRPC_PORT")) > 0
-        assert front["env"] == {k: v for k, v in aio["env"].items() if k != "EMBEDCAR_SIDECAR_NATIVE_GRPC_PORT"}
     assert 0 <= default["idle_core_share"] < 1
     rows = [line for line in (out / "neighbour.md").read_text().splitlines() if line.startswith("| ")][1:]
     assert [r.split("|")[1].strip().split(" ")[0] for r in rows] == configs

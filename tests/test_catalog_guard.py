@@ -213,7 +213,7 @@ def test_a_sidecar_serving_the_root_never_swaps_to_a_held_version(
     root = s.catalog.index_root
     current = run_build(s, write_csv(tmp_path / "good.csv", titles[:60]), onnx_backend).version_dir
     assert current is not None
-    sc_settings = sidecar_settings(s, http_port=-1, index_dir=root, index_poll_s=0.05)
+    sc_settings = sidecar_settings(s, http_port=-1, index_dir=root, poll_s=0.05)
     with SidecarThread(sc_settings, backend=onnx_backend) as sc, Client(sc.grpc_target) as c:
         assert c.search([titles[0]], k=1).index_version == current.name
 

@@ -181,7 +181,7 @@ def test_set_default_writes_the_manifest_and_a_sidecar_serving_the_default_rolls
     before = load_manifest(models / "shop-tiny")
     assert {"fp32", "int8"} <= set(before.variants)
     other = "fp32" if before.default_variant == "int8" else "int8"
-    s = sidecar_settings(settings, model_poll_s=0.2, grace_s=0.2)
+    s = sidecar_settings(settings, poll_s=0.2, grace_s=0.2)
     s = dataclasses.replace(s, model=dataclasses.replace(s.model, models_dir=models, name="shop-tiny", variant=""))
     # Measured rows (made up here: the measuring has its own test) in which `other` wins.
     rows = [_row(other, 5, 300, (0.50, 0.90)), _row(before.default_variant, 9, 200, (0.50, 0.90))]

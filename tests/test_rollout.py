@@ -51,7 +51,7 @@ def _index_model(index_root: Path, version: str) -> str:
 def rolling_settings(settings: Settings, models: Path, index_root: Path, name: str) -> Settings:
     """A sidecar serving model `name`'s default variant from `models`, looking for new model and index
     versions every 0.2 s: a rollout's switch shows within a second."""
-    s = sidecar_settings(settings, index_dir=index_root, index_poll_s=0.2, model_poll_s=0.2, grace_s=0.5)
+    s = sidecar_settings(settings, index_dir=index_root, poll_s=0.2, grace_s=0.5)
     return dataclasses.replace(s, model=dataclasses.replace(s.model, models_dir=models, name=name, variant=""))
 
 
@@ -159,8 +159,8 @@ def test_rollout_and_rollback_behind_triton_never_mix_model_and_index(settings: 
     server = TritonServer(triton_settings(base, tmp_path / "triton"), models=(NAME,)).start()
     try:
         s = base.with_section("triton", urls=(server.grpc_url,), timeout_ms=10_000, probe_interval_s=0.2)
-        s = sidecar_settings(s, backend="triton", http_port=-1, index_dir=index_root, index_poll_s=0.2,
-                             model_poll_s=0.2, grace_s=0.5)
+        s = sidecar_settings(s, backend="triton", http_port=-1, index_dir=index_root, poll_s=0.2,
+                             grace_s=0.5)
         with SidecarThread(s) as sc, Load(sc.grpc_target) as load:
             load.wait_for_model(v1_id)
             _cli("model", "prepare", "--from", str(tiny_st_folder(tmp_path / "v2", "bert", pooling="mean", seed=2)),

@@ -46,16 +46,21 @@ def test_failure_logs_a_bugs_traceback_once_and_counts_it(caplog: pytest.LogCapt
 
 @pytest.fixture(scope="module")
 def keyed(settings: Settings, onnx_backend: OnnxBackend) -> Iterator[Sidecar]:
-    """grpc.aio on the main port, the compiled front on its own, HTTP: one key."""
-    if WHY_NOT is not None:
-        pytest.skip(f"the compiled front cannot build here: {WHY_NOT}")
-    s = sidecar_settings(settings, native_grpc_port=0, grpc_server="aio", api_keys=f"shop={KEY}")
+    """grpc.aio on the main port, and HTTP: one key."""
+    s = sidecar_settings(settings, grpc_server="aio", api_keys=f"shop={KEY}")
     with SidecarThread(s, backend=onnx_backend) as sc:
         yield sc
 
 
-def _targets(sc: Sidecar) -> list[str]:
-    return [sc.grpc_target, f"127.0.0.1:{sc.native_grpc_port}"]
+@pytest.fixture(scope="module")
+def keyed_front(settings: Settings, onnx_backend: OnnxBackend) -> Iterator[Sidecar]:
+    """The compiled front on the main port: the same key."""
+    if WHY_NOT is not None:
+        pytest.skip(f"the compiled front cannot build here: {WHY_NOT}")
+    s = sidecar_settings(settings, http_port=-1, grpc_server="compiled", api_keys=f"shop={KEY}")
+    with SidecarThread(s, backend=onnx_backend) as sc:
+        assert sc.grpc_server == "compiled"
+        yield sc
 
 
 def _http_embed(sc: Sidecar, text: str) -> httpx.Response:
@@ -80,35 +85,38 @@ def _counting(monkeypatch: pytest.MonkeyPatch, obj: Any, name: str) -> list[int]
     return calls
 
 
-def test_a_keyed_request_checks_its_key_once_and_takes_one_token(keyed: Sidecar,
+def test_a_keyed_request_checks_its_key_once_and_takes_one_token(keyed: Sidecar, keyed_front: Sidecar,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     checked = _counting(monkeypatch, keyed.service.keys, "tenant_for")
     tokens = _counting(monkeypatch, keyed.service.limiter, "take")
     r = _http_embed(keyed, "sparkling water lime")
     assert r.status_code == 200, r.text
     assert (len(checked), len(tokens)) == (1, 1)
-    for i, target in enumerate(_targets(keyed)):
-        checked.clear()
-        tokens.clear()
+    for i, sc in enumerate((keyed, keyed_front)):
+        checked = _counting(monkeypatch, sc.service.keys, "tenant_for")
+        tokens = _counting(monkeypatch, sc.service.limiter, "take")
+        target = sc.grpc_target
         with Client(target, api_key=KEY) as c:
             c.embed([f"rye crackers {i}"])
         assert (len(checked), len(tokens)) == (1, 1), target
 
 
-def test_a_bug_is_internal_on_every_transport_and_logged_once(keyed: Sidecar, monkeypatch: pytest.MonkeyPatch,
+def test_a_bug_is_internal_on_every_transport_and_logged_once(keyed: Sidecar, keyed_front: Sidecar,
+                                                               monkeypatch: pytest.MonkeyPatch,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     def broken(*_args: Any, **_kwargs: Any) -> Any:
         raise ZeroDivisionError("a bug")
 
     # Both the loop's path and the compiled front's on its own thread.
-    monkeypatch.setattr(keyed.service, "embed_call", broken)
-    monkeypatch.setattr(keyed.service, "embed_now", broken)
+    for sc in (keyed, keyed_front):
+        monkeypatch.setattr(sc.service, "embed_call", broken)
+        monkeypatch.setattr(sc.service, "embed_now", broken)
     caplog.set_level(logging.ERROR, logger="sidecar.calls")
     answers: list[object] = []
     r = _http_embed(keyed, "plum jam")
     answers.append(r.status_code)
     assert r.json()["error"] == {"message": "unexpected error: ZeroDivisionError", "type": Internal.code}
-    for target in _targets(keyed):
+    for target in (keyed.grpc_target, keyed_front.grpc_target):
         with Client(target, api_key=KEY) as c, pytest.raises(Internal, match="ZeroDivisionError"):
             c.embed(["plum jam"])
         answers.append("unary")

@@ -28,14 +28,15 @@ pytestmark = pytest.mark.triton
 
 def front_triton_settings(settings: Settings, server: TritonServer, **changes: object) -> Settings:
     return triton_sidecar_settings(settings, server).with_section(
-        "sidecar", native_grpc_port=0, grpc_server="aio", cache_entries=0, **changes)
+        "sidecar", **({"grpc_server": "compiled", "cache_entries": 0} | changes))
 
 
 @needs_front
 def test_tritons_answers_through_the_front_equal_the_main_ports_and_are_called_on_its_thread(
         settings: Settings, triton_server: TritonServer) -> None:
-    with SidecarThread(front_triton_settings(settings, triton_server)) as sc, \
-            Client(sc.grpc_target) as main, Client(front_target(sc)) as fast:
+    aio = front_triton_settings(settings, triton_server, grpc_server="aio")  # the reference answers
+    with SidecarThread(front_triton_settings(settings, triton_server)) as sc, SidecarThread(aio) as ref_sc, \
+            Client(ref_sc.grpc_target) as main, Client(front_target(sc)) as fast:
         assert sc.backend.name == "triton"
         before = passes(sc, "front")
         for q in QUERIES:

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from embedcar_settings import Settings
 from inference.errors import Unavailable
+from sidecar import grpc_server
 from sidecar.app import SidecarThread
 from sidecar.client import AsyncClient, Client
 from sidecar.proto import embedcar_pb2 as pb
@@ -157,13 +158,14 @@ async def test_a_caller_leaving_a_stream_cancels_its_work(settings: Settings,
 
 
 @needs_front
-async def test_a_stream_stops_reading_while_its_replies_are_owed(settings: Settings,
-                                                                 probe_backend: ProbeBackend) -> None:
-    """With the backend held, the front takes only `stream_max_owed` of a stream's messages into Python
+async def test_a_stream_stops_reading_while_its_replies_are_owed(settings: Settings, probe_backend: ProbeBackend,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the backend held, the front takes only STREAM_MAX_OWED of a stream's messages into Python
     (the rest wait in gRPC's flow control, not in the sidecar's memory); once replies flow, it reads the
     rest and every message gets its reply."""
     texts = [f"oat milk {i}" for i in range(40)]
-    s = sidecar_settings(settings, http_port=-1, cache_entries=0, stream_max_owed=4, max_in_flight=1000)
+    monkeypatch.setattr(grpc_server, "STREAM_MAX_OWED", 4)
+    s = sidecar_settings(settings, http_port=-1, cache_entries=0, max_in_flight=1000)
     with SidecarThread(s, backend=probe_backend) as sc:
         front = sc._main_front
         assert front is not None

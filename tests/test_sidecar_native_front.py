@@ -1,5 +1,5 @@
-"""The compiled gRPC front (sidecar.native_grpc_port): the same answers, errors and limits as the main
-port, queries answered on its own thread while the loop sleeps, the rest handed to the loop.
+"""The compiled gRPC front on the main port (sidecar.grpc_server=compiled): the same answers, errors and
+limits as grpc.aio's, queries answered on its own thread while the loop sleeps, the rest handed to the loop.
 
 Real sidecars (the session's ORT backend) and real gRPC clients; the front is built from
 sidecar/native/front.cc on first use, and where it cannot build here these tests skip and say why.
@@ -37,13 +37,13 @@ needs_front = pytest.mark.skipif(WHY_NOT is not None, reason=f"the compiled fron
 
 
 def front_settings(settings: Settings, **changes: object) -> Settings:
-    """The front on a port of its own beside a grpc.aio main port: the two answer side by side."""
-    return sidecar_settings(settings, http_port=-1, native_grpc_port=0, grpc_server="aio", **changes)
+    """The compiled front on the main port (a sidecar with grpc_server=aio is the reference)."""
+    return sidecar_settings(settings, http_port=-1, grpc_server="compiled", **changes)
 
 
 def front_target(sc: Sidecar) -> str:
-    assert sc.native_grpc_port is not None
-    return f"127.0.0.1:{sc.native_grpc_port}"
+    assert sc.grpc_server == "compiled"
+    return sc.grpc_target
 
 
 def passes(sc: Sidecar, thread: str) -> float:
@@ -60,10 +60,18 @@ def front(settings: Settings, onnx_backend: OnnxBackend) -> Iterator[Sidecar]:
         yield sc
 
 
+@pytest.fixture(scope="module")
+def aio(settings: Settings, onnx_backend: OnnxBackend) -> Iterator[Sidecar]:
+    """The same backend served by grpc.aio: the reference answers."""
+    s = sidecar_settings(settings, http_port=-1, grpc_server="aio", cache_entries=0)
+    with SidecarThread(s, backend=onnx_backend) as sc:
+        yield sc
+
+
 @needs_front
-def test_embed_on_the_front_equals_the_main_port_and_sparse_queries_run_on_its_thread(front: Sidecar) -> None:
+def test_embed_on_the_front_equals_grpc_aio_and_sparse_queries_run_on_its_thread(front: Sidecar, aio: Sidecar) -> None:
     before = passes(front, "front")
-    with Client(front.grpc_target) as main, Client(front_target(front)) as fast:
+    with Client(aio.grpc_target) as main, Client(front_target(front)) as fast:
         for texts in ([QUERIES[0]], QUERIES[:3], [QUERIES[3]], [QUERIES[4]]):
             time.sleep(0.3)  # sparse arrivals: a pass is well under half the gap
             ref, got = main.embed(texts), fast.embed(texts)
@@ -99,7 +107,7 @@ def test_errors_are_the_main_ports(front: Sidecar) -> None:
 
 def race(sc: Sidecar, callers: int, calls: int) -> tuple[list[str], list[Exception]]:
     """`callers` threads, each sending `calls` one-text Embeds to the front at once: the queries whose
-    answer differs from the main port's, and the errors raised."""
+    answer differs from one asked alone first, and the errors raised."""
     with Client(sc.grpc_target) as main:
         ref = {q: main.embed([q]).embeddings[0] for q in QUERIES}
     wrong: list[str] = []
@@ -213,14 +221,11 @@ def test_a_front_that_cannot_build_says_what_it_needs(settings: Settings, onnx_b
     monkeypatch.setattr(native_build, "BUILD_DIR", tmp_path / "build")
     monkeypatch.setattr("inference.native_cache.shutil.which", lambda _name: None)  # no compiler
     assert SOURCE.exists()
-    with (pytest.raises(Unavailable, match=r"native_grpc_port.*libgrpc\+\+-dev"),
-          SidecarThread(front_settings(settings), backend=onnx_backend)):
-        pass
-    # The default main port (grpc_server=compiled) falls back to grpc.aio, saying why, and serves.
+    # The default main port (grpc_server=compiled) falls back to grpc.aio, saying what it needs, and serves.
     with caplog.at_level(logging.WARNING, logger="sidecar.app"), \
             SidecarThread(sidecar_settings(settings, http_port=-1), backend=onnx_backend) as sc, \
             Client(sc.grpc_target) as c:
         assert sc._main_front is None
         assert c.embed(["milk"], timeout_s=5).embeddings.shape[0] == 1
     assert any("grpc_server=compiled" in r.getMessage() and "grpc.aio instead" in r.getMessage()
-               for r in caplog.records)
+               and "libgrpc++-dev" in r.getMessage() for r in caplog.records)

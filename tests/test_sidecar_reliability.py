@@ -23,6 +23,7 @@ from inference.backends.base import Embeddings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import DeadlineExceeded, InvalidInput, Overloaded, Unauthenticated, Unavailable
 from inference.tokenizer import TokenBatch
+from sidecar import models
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.client import AsyncClient, Client
 from sidecar.scheduler import DirectScheduler
@@ -103,11 +104,13 @@ async def test_the_rate_limit_refuses_stream_messages_and_http_calls(settings: S
         assert sc.metrics.rejections.labels("admission")._value.get() == 0
 
 
-async def test_admission_refuses_stream_messages_one_by_one(settings: Settings, probe_backend: ProbeBackend) -> None:
+async def test_admission_refuses_stream_messages_one_by_one(settings: Settings, probe_backend: ProbeBackend,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """With the backend stalled, Stream messages beyond the queue cap are refused at once, each with its
     own RESOURCE_EXHAUSTED reply; the admitted ones are answered on the same stream afterwards."""
     # cap: 8 texts; the in-flight cap in front of the handler (sidecar.shedding) raised so admission decides
-    s = sidecar_settings(settings, http_port=-1, max_rows_per_pass=4, max_pending_batches=1, max_in_flight=1000)
+    monkeypatch.setattr(models, "MAX_PENDING_BATCHES", 1)
+    s = sidecar_settings(settings, http_port=-1, max_rows_per_pass=4, max_in_flight=1000)
     with SidecarThread(s, backend=probe_backend) as sc:
         refused = sc.metrics.rejections.labels("admission")._value
         probe_backend.hold.clear()
@@ -131,10 +134,12 @@ def test_non_loopback_bind_without_keys_is_refused(settings: Settings) -> None:
         Sidecar(sidecar_settings(settings, host="0.0.0.0"))
 
 
-async def test_overload_rejects_excess_fast(settings: Settings, probe_backend: ProbeBackend) -> None:
+async def test_overload_rejects_excess_fast(settings: Settings, probe_backend: ProbeBackend,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """With the backend stalled, work beyond the queue cap is refused at once, not queued."""
     # cap: 8 texts; gRPC's own backlog cap left at its default, so that admission alone decides here
-    s = sidecar_settings(settings, http_port=-1, max_rows_per_pass=4, max_pending_batches=1, transport_backlog=0)
+    monkeypatch.setattr(models, "MAX_PENDING_BATCHES", 1)
+    s = sidecar_settings(settings, http_port=-1, max_rows_per_pass=4, transport_backlog=0)
     with SidecarThread(s, backend=probe_backend) as sc:
         probe_backend.hold.clear()
         async with AsyncClient(sc.grpc_target) as c:

@@ -54,7 +54,7 @@ def test_search_unavailable_until_index_then_hot_reload(settings: Settings, onnx
                                                         tokenizer: QueryTokenizer, tmp_path: Path) -> None:
     root = tmp_path / "index"
     root.mkdir()
-    s = sidecar_settings(settings, http_port=-1, index_dir=root, index_poll_s=0.1)
+    s = sidecar_settings(settings, http_port=-1, index_dir=root, poll_s=0.1)
     s = s.with_section("catalog", use_gpu=False)
     with SidecarThread(s, backend=onnx_backend) as sc, Client(sc.grpc_target) as c:
         with pytest.raises(Unavailable, match="no product index"):

@@ -79,8 +79,8 @@ def test_out_of_range_settings_are_refused_naming_the_source_value_and_range(
 def test_the_ends_of_a_range_and_the_special_ports_are_accepted() -> None:
     s = SidecarAppSettings.load(environ={"EMBEDCAR_SIDECAR_GRPC_PORT": "65535", "EMBEDCAR_SIDECAR_HTTP_PORT": "-1",
                                          "EMBEDCAR_SIDECAR_CACHE_ENTRIES": "0"},
-                                overrides={"sidecar": {"native_grpc_port": 0}, "model": {"forward_lanes": 1}})
-    assert (s.sidecar.grpc_port, s.sidecar.http_port, s.sidecar.native_grpc_port) == (65535, -1, 0)
+                                overrides={"triton": {"grpc_port": 0}, "model": {"forward_lanes": 1}})
+    assert (s.sidecar.grpc_port, s.sidecar.http_port, s.triton.grpc_port) == (65535, -1, 0)
     assert s.sidecar.cache_entries == 0 and s.model.forward_lanes == 1
 
 
@@ -175,14 +175,13 @@ def no_precheck(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(("server", "changes", "flag"), [
     ("aio", {"grpc_port": "busy"}, "--grpc-port"),
     ("compiled", {"grpc_port": "busy"}, "--grpc-port"),
-    ("aio", {"native_grpc_port": "busy"}, "--native-grpc-port"),
     ("aio", {"http_port": "busy"}, "--http-port"),
 ])
 @pytest.mark.usefixtures("no_precheck")
 def test_each_server_s_own_bind_failure_names_its_flag_and_port(
         settings: Settings, onnx_backend: OnnxBackend, busy_port: int, server: str, changes: dict[str, str],
         flag: str) -> None:
-    if (server == "compiled" or "native_grpc_port" in changes) and (why := unavailable_reason()) is not None:
+    if server == "compiled" and (why := unavailable_reason()) is not None:
         pytest.skip(f"the compiled front does not build here: {why}")
     s = sidecar_settings(settings, **({"grpc_server": server, "http_port": -1} | {k: busy_port for k in changes}))
     with pytest.raises(EmbedcarError) as err, SidecarThread(s, backend=onnx_backend):

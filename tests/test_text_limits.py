@@ -26,7 +26,7 @@ from inference.text import NFKC_MAX_GROWTH, normalize, normalize_texts
 from inference.tokenizer import QueryTokenizer
 from sidecar.app import Sidecar
 from sidecar.client import Client
-from sidecar.pipeline import NORMALIZE_ON_LOOP_CHARS
+from sidecar.pipeline import MAX_REQUEST_CHARS, NORMALIZE_ON_LOOP_CHARS
 
 _SPACE = re.compile(r"\s+")
 FDFA = "\ufdfa"  # NFKC: 18 characters
@@ -107,12 +107,12 @@ def test_a_request_over_its_character_cap_is_refused_where_it_passes_it(nfkc_wri
 def test_a_4mb_request_of_fdfa_is_refused_after_bounded_work(sidecar_embedded: Sidecar, sidecar_client: Client,
                                                              nfkc_written: list[int]) -> None:
     """3.9 MB of U+FDFA in 130 texts of 10,000: before, 23.4 M characters normalised (16.8 s of CPU);
-    now the request stops at sidecar.max_request_chars."""
+    now the request stops at sidecar.pipeline.MAX_REQUEST_CHARS."""
     texts = [FDFA * 9_999 + str(i % 10) for i in range(130)]
     assert sum(len(t.encode()) for t in texts) < sidecar_embedded.settings.sidecar.max_message_bytes
     with pytest.raises(InvalidInput, match="after Unicode normalisation"):
         sidecar_client.embed(texts)
-    cap = sidecar_embedded.settings.sidecar.max_request_chars
+    cap = MAX_REQUEST_CHARS
     read = sidecar_embedded.models.default.tokenizer.max_text_chars  # what is normalised of one text
     assert sum(nfkc_written) <= (cap + read) * 1.05  # 23.4 M before
 

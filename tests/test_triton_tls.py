@@ -409,7 +409,7 @@ def test_the_compiled_fronts_own_triton_calls_go_over_tls_with_the_key(hs: Setti
     if (why := unavailable_reason()) is not None:
         pytest.skip(f"the compiled front cannot build here: {why}")
     s = sidecar_settings(hs.with_section("triton", timeout_ms=30_000, probe_interval_s=0.2), backend="triton",
-                         http_port=-1, native_grpc_port=0, cache_entries=0, embedded_fallback=False)
+                         http_port=-1, grpc_server="compiled", cache_entries=0, embedded_fallback=False)
     with SidecarThread(s) as sc, Client(front_target(sc)) as c:
         before = passes(sc, "front")
         r = c.embed(["organic whole milk"])

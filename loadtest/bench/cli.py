@@ -207,10 +207,9 @@ def _serving(args: argparse.Namespace) -> int:
 
 # --- neighbour ------------------------------------------------------------------------------
 # loadtest.bench.neighbour.DEFAULT_CONFIGS and CONFIGS (not imported here: slow)
-NEIGHBOUR_CONFIGS = ("model-1t,model-2t,default,aio,every-core,executor,event-engine,stream,stream-aio,"
-                     "kernel-slice,system-malloc,triton,triton-aio,triton-system-malloc")
-NEIGHBOUR_ALL_CONFIGS = ("model-1t,model-2t,default,aio,every-core,executor,event-engine,stream,stream-aio,"
-                         "front,kernel-slice,system-malloc,triton,triton-aio,triton-front,triton-system-malloc")
+NEIGHBOUR_CONFIGS = ("model-1t,model-2t,default,aio,every-core,event-engine,stream,stream-aio,system-malloc,triton,"
+                     "triton-aio,triton-system-malloc")
+NEIGHBOUR_ALL_CONFIGS = NEIGHBOUR_CONFIGS
 
 
 def _register_neighbour(areas: Any) -> None:

@@ -25,8 +25,6 @@ are gone: their figures are in docs/benchmarks.md, and a report of them still re
                       the latency of the one with the lower P50 (the model's best thread setting)
   default             the sidecar as shipped (model settings' defaults; its ORT threads chosen at load)
   every-core          + model.intra_op_threads=<cores>: every pass on every core, not chosen
-  executor            + sidecar.inline_forward=false: every forward on a worker thread (the default
-                      runs it on the event loop while arrivals are sparse and nothing waits)
   event-engine        + GRPC_EXPERIMENTS="" (gRPC's own default I/O: sockets on EventEngine threads,
                       which the sidecar turns off, inference.grpc_io)
   aio                 + sidecar.grpc_server=aio: grpc.aio serves the main port (the default before the
@@ -35,18 +33,12 @@ are gone: their figures are in docs/benchmarks.md, and a report of them still re
                       that keeps a stream open calls) instead of a unary Embed call, served by
                       the compiled front
   stream-aio          the same on a grpc.aio main port (sidecar.grpc_server=aio)
-  front               a grpc.aio main port and the compiled front on a port of its own
-                      (sidecar.native_grpc_port), the unary calls sent there
   system-malloc       + sidecar.allocator=system: the C library's malloc instead of mimalloc
                       (sidecar/allocator.py; the same as `default` where mimalloc is not installed)
-  kernel-slice        + sidecar.cpu_slice_us=0: the kernel's default slice for the sidecar's threads
-                      instead of the short one they ask for (sidecar.cpu_slice)
   triton              the sidecar over a local tritonserver (CPU, Python backend); skipped, saying
                       why, where the binary cannot run. Its sidecar CPU excludes tritonserver's
                       (a separate column)
   triton-aio          the same with sidecar.grpc_server=aio (grpc.aio on the main port)
-  triton-front        a grpc.aio main port and the compiled front on a port of its own, its calls sent
-                      there
   triton-system-malloc  the `triton` row with sidecar.allocator=system
 
 Verdicts (issue #25's targets; a benchmark, not a gate: exit 0 whatever they say), per sidecar row,
@@ -89,30 +81,25 @@ log = logging.getLogger(__name__)
 Record = dict[str, Any]
 
 # The embedded path's levers this bench compares: ("section.field", value) per configuration.
-LEVERS = ("model.intra_op_threads", "sidecar.inline_forward", "sidecar.cpu_slice_us", "sidecar.allocator",
-          "sidecar.grpc_server", "sidecar.native_grpc_port")
+LEVERS = ("model.intra_op_threads", "sidecar.allocator", "sidecar.grpc_server")
 AIO: dict[str, object] = {"sidecar.grpc_server": "aio"}
 SYSTEM_MALLOC: dict[str, object] = {"sidecar.allocator": "system"}
 EMBEDDED: dict[str, dict[str, object]] = {
     "default": {},
     "aio": AIO,
     "every-core": {"model.intra_op_threads": os.cpu_count() or 1},
-    "executor": {"sidecar.inline_forward": False},
     "event-engine": {EXPERIMENTS: ""},
     "stream": {},  # the defaults; its calls go on the Stream RPC (STREAMED)
     "stream-aio": AIO,
-    "front": AIO,  # and the compiled front on a free port (FRONTED), its calls sent there
-    "kernel-slice": {"sidecar.cpu_slice_us": 0},
     "system-malloc": SYSTEM_MALLOC,
 }
 MODEL = {"model-1t": 1, "model-2t": 0}  # ORT threads (0 = every core)
 # The sidecar over a local tritonserver.
-TRITON = {"triton": {}, "triton-aio": AIO, "triton-front": AIO, "triton-system-malloc": SYSTEM_MALLOC}
+TRITON = {"triton": {}, "triton-aio": AIO, "triton-system-malloc": SYSTEM_MALLOC}
 CONFIGS = (*MODEL, *EMBEDDED, *TRITON)
-DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "aio", "every-core", "executor", "event-engine", "stream",
-                   "stream-aio", "kernel-slice", "system-malloc", "triton", "triton-aio", "triton-system-malloc")
+DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "aio", "every-core", "event-engine", "stream", "stream-aio",
+                   "system-malloc", "triton", "triton-aio", "triton-system-malloc")
 STREAMED = {"stream", "stream-aio"}  # configurations whose queries are messages on one open Stream call
-FRONTED = {"front", "triton-front"}  # configurations whose calls go to the compiled gRPC front
 DESCRIPTIONS = {  # the retired configurations' too: their reports still render
     "model-1t": "the model alone, in-process, 1 thread, exact lengths",
     "model-2t": "the model alone, in-process, all threads, exact lengths",
@@ -364,7 +351,6 @@ async def paired_windows(target: Any, next_texts: Callable[[int], list[str]], cf
 
 def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_texts: Callable[[int], list[str]],
                     neighbour: Neighbour | None, model: InProcessModel | None = None) -> Record:
-    from inference.ports import free_port
     from loadtest.native import sender_for
     from loadtest.stack import SidecarProcess
     from loadtest.targets import SidecarEmbedTarget, SidecarStreamTarget
@@ -388,10 +374,6 @@ def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_te
             triton_url = server.grpc_url
             if server.pid is not None:
                 pids["tritonserver"] = server.pid
-        front_port = None
-        if name in FRONTED:
-            front_port = free_port()
-            env = env | {env_name("sidecar", "native_grpc_port"): str(front_port)}
         rec["env"] = env
         sc = stack.enter_context(SidecarProcess(settings, backend="triton" if triton_url else "embedded",
                                                 variant=variant, triton_url=triton_url, http=False, extra_env=env,
@@ -409,8 +391,7 @@ def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_te
             # From a compiled client, as a search node calls: a Python one would spend 0.7-1 ms of the
             # same two cores per call (loadtest.native) and add its own latency to the sidecar's.
             rpc = SidecarStreamTarget if name in STREAMED else SidecarEmbedTarget
-            address = sc.grpc_target if front_port is None else f"127.0.0.1:{front_port}"
-            target, rec["client"] = sender_for(rpc(address))
+            target, rec["client"] = sender_for(rpc(sc.grpc_target))
             await target.start()
             try:
                 n = int(cfg.rate * cfg.duration_s)

@@ -189,7 +189,7 @@ async def _serve(settings: Settings, work: Path, pool_dir: Path, queries: Sequen
         swaps = [await publisher.publish(0)]
         sc_settings = settings.with_section(
             "sidecar", backend="embedded", host="127.0.0.1", grpc_port=0, http_port=-1, api_keys="",
-            api_keys_file=None, index_dir=root, index_poll_s=plan.poll_s, rate_per_s=1e6, burst=1_000_000,
+            api_keys_file=None, index_dir=root, poll_s=plan.poll_s, rate_per_s=1e6, burst=1_000_000,
             default_deadline_ms=int(TIMEOUT_S * 1000), warm_queries_file=None,
             # Every search embeds, so latency before and around swaps compares like for like; the
             # admission budget is off because shedding load on a busy box is not what is tested here

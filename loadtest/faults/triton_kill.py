@@ -29,8 +29,7 @@ def _sidecar(settings: Settings, triton: TritonServer, work: Path, *, fallback: 
                           log_file=work / f"sidecar-fallback-{'on' if fallback else 'off'}-{budget_ms:g}.log",
                           extra_env={"EMBEDCAR_SIDECAR_EMBEDDED_FALLBACK": "1" if fallback else "0",
                                      "EMBEDCAR_SIDECAR_ADMISSION_BUDGET_MS": str(budget_ms),
-                                     "EMBEDCAR_TRITON_PROBE_INTERVAL_S": "0.2",
-                                     "EMBEDCAR_SIDECAR_HEALTH_POLL_S": "0.2"})
+                                     "EMBEDCAR_TRITON_PROBE_INTERVAL_S": "0.2"})
 
 
 async def _outage(settings: Settings, triton: TritonServer, work: Path, *, fallback: bool, rate: float,
