@@ -166,7 +166,8 @@ class ModelSettings:
 
 @dataclass(frozen=True, slots=True)
 class TritonSettings:
-    host: str = setting("127.0.0.1", "Address the local tritonserver binds to (loopback by default).")
+    host: str = setting("127.0.0.1", "Address the local tritonserver binds to (loopback by default); its "
+                        "Prometheus metrics too, except in the hardened profile (tls_dir): loopback there.")
     grpc_port: int = setting(8001, "Triton gRPC port (`triton serve`: 0 = a free one).", min=0, max=PORT_MAX)
     http_port: int = setting(8000, "Triton HTTP port (`triton serve`: 0 = a free one).", min=0, max=PORT_MAX)
     metrics_port: int = setting(8002, "Triton Prometheus metrics port (`triton serve`: 0 = a free one).",
@@ -174,8 +175,9 @@ class TritonSettings:
     urls: tuple[str, ...] = setting(
         ("127.0.0.1:8001",), "Triton gRPC addresses the client spreads requests over.", flag="triton-url"
     )
-    repo_dir: Path = setting(Path("var/triton/repo"), "Generated model repository.", flag="out",
-                             home=True, advanced=True)
+    repo_dir: Path = setting(Path("var/triton/repo"), "Generated model repository; the assembled Python backend "
+                             "(backends/) and the TensorRT engine cache (trt-engines/) are kept beside it.",
+                             flag="out", home=True, advanced=True)
     target: str = setting("cpu", "Model repository target: cpu (ORT in Python backend) or gpu.",
                           choices=("cpu", "gpu"))
     max_queue_delay_us: int = setting(
@@ -188,13 +190,8 @@ class TritonSettings:
         256, "max_batch_size in the generated models' config.pbtxt: the most rows Triton batches into one "
         "execution (and accepts in one request).", min=1, advanced=True)
     timeout_ms: int = setting(2000, "gRPC deadline and Triton server-side timeout per request.", min=1, advanced=True)
-    engine_cache_dir: Path = setting(Path("var/trt-engines"), "Cache of TensorRT engines.", home=True, advanced=True)
-    backend_dir: Path = setting(Path("var/triton/backends"), "Assembled backend directory (Python backend + stub).",
-                                home=True, advanced=True)
     ort_threads: int = setting(0, "ORT intra-op threads per CPU encoder instance; 0 = cores / instances.",
                                min=0, advanced=True)
-    probe_interval_s: float = setting(0.5, "Client: how often each Triton URL is probed for readiness.",
-                                      min=0.01, advanced=True)
     # --- a Triton pool reached from other machines (docs/scale.md "Securing the Triton pool") ---
     tls_dir: Path | None = setting(
         None, "Unset: plaintext with every API open (one host, loopback: make demo, tests). Set: the hardened "
@@ -202,9 +199,16 @@ class TritonSettings:
         "host's server.pem + server.key, a client's client.pem + client.key; client_key.txt; operator_key.txt "
         "where the operator's APIs are wanted). Triton then serves gRPC over mutual TLS with API groups behind "
         "those keys, HTTP on loopback only, model control off; clients connect with TLS and send the keys.")
-    metrics_host: str = setting(
-        "", "Address Triton's Prometheus metrics bind to; empty = host, or 127.0.0.1 in the hardened profile "
-        "(tls_dir set; set this to the monitoring interface).", advanced=True)
+
+    @property
+    def backend_dir(self) -> Path:
+        """The assembled backend directory (Python backend + stub), a fixed folder beside repo_dir."""
+        return self.repo_dir.parent / "backends"
+
+    @property
+    def engine_cache_dir(self) -> Path:
+        """The TensorRT engine cache, a fixed folder beside repo_dir."""
+        return self.repo_dir.parent / "trt-engines"
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from tests.components import require_triton
 
 def triton_settings(settings: Settings, root: Path) -> Settings:
     """The session settings with a private repository/backend folder under `root`."""
-    return settings.with_section("triton", repo_dir=root / "repo", backend_dir=root / "backends")
+    return settings.with_section("triton", repo_dir=root / "repo")
 
 
 @pytest.fixture(scope="session")

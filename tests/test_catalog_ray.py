@@ -203,8 +203,7 @@ def test_two_tritons_two_sidecars_one_killed_mid_job(
     pool = (victim.grpc_url, survivor.grpc_url)
 
     def job(engine: str, urls: tuple[str, ...], root: Path, **kw: Any) -> BuildSummary:
-        s = job_settings(settings, root, engine).with_section("triton", urls=urls, timeout_ms=30_000,
-                                                              probe_interval_s=0.2)
+        s = job_settings(settings, root, engine).with_section("triton", urls=urls, timeout_ms=30_000)
         return asyncio.run(build(s, BuildSpec(), backend_kind="triton", loaded=grocery_slice, progress=False, **kw))
 
     def kill_after_first(k: int) -> None:
@@ -212,7 +211,7 @@ def test_two_tritons_two_sidecars_one_killed_mid_job(
             victim.kill()
 
     sc_settings = triton_sidecar_settings(settings, victim).with_section(
-        "triton", urls=pool, timeout_ms=10_000, probe_interval_s=0.2)
+        "triton", urls=pool, timeout_ms=10_000)
     sc_settings = sc_settings.with_section("sidecar", embedded_fallback=False)
     with SidecarThread(sc_settings) as a, SidecarThread(sc_settings) as b, \
             Client(a.grpc_target) as ca, Client(b.grpc_target) as cb, \

@@ -210,7 +210,7 @@ async def test_triton_serves_a_user_model_as_the_embedded_backend_does(tmp_path:
     assert m.pool_skip("query") > 1 and not m.has_token_type_ids
     s = Settings.load(environ={}, overrides={
         "model": {"models_dir": tmp_path / "models", "name": "mine", "variant": "fp32"},
-        "triton": {"repo_dir": tmp_path / "repo", "backend_dir": tmp_path / "backends"}})
+        "triton": {"repo_dir": tmp_path / "repo"}})
     out = tmp_path / "models" / "mine"
     with TritonServer(s, variant="fp32", pooling_step=layout == "step") as server:
         backend = TritonBackend([server.grpc_url], m, variant="fp32", timeout_s=30.0)

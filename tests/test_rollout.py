@@ -158,7 +158,7 @@ def test_rollout_and_rollback_behind_triton_never_mix_model_and_index(settings: 
                                                                   variant=""))
     server = TritonServer(triton_settings(base, tmp_path / "triton"), models=(NAME,)).start()
     try:
-        s = base.with_section("triton", urls=(server.grpc_url,), timeout_ms=10_000, probe_interval_s=0.2)
+        s = base.with_section("triton", urls=(server.grpc_url,), timeout_ms=10_000)
         s = sidecar_settings(s, backend="triton", http_port=-1, index_dir=index_root, poll_s=0.2,
                              grace_s=0.5)
         with SidecarThread(s) as sc, Load(sc.grpc_target) as load:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from embedcar_settings import Settings
+from inference.backends import triton as triton_backend
 from inference.errors import Unavailable
 from inference.triton.launcher import TritonServer
 from sidecar.app import SidecarThread
@@ -64,14 +65,13 @@ def test_callers_racing_each_other_and_the_loop_all_get_tritons_answers(settings
 @needs_front
 @pytest.mark.slow
 def test_triton_killed_the_front_answers_from_the_fallback_or_fails_fast_without_one(
-        settings: Settings, own_triton: TritonServer) -> None:
+        settings: Settings, own_triton: TritonServer, monkeypatch: pytest.MonkeyPatch) -> None:
     # Probes a minute apart: the front's own call is the first to find Triton gone; it hands the query
     # to the loop, whose client marks Triton down (the fallback answers). After the restart the health
     # poll finds Triton back while the front's channel may still be backing off: the loop answers then.
-    slow = {"probe_interval_s": 60.0}
-    with SidecarThread(front_triton_settings(settings, own_triton).with_section("triton", **slow)) as kept, \
-            SidecarThread(front_triton_settings(settings, own_triton, embedded_fallback=False)
-                          .with_section("triton", **slow)) as bare, \
+    monkeypatch.setattr(triton_backend, "PROBE_INTERVAL_S", 60.0)
+    with SidecarThread(front_triton_settings(settings, own_triton)) as kept, \
+            SidecarThread(front_triton_settings(settings, own_triton, embedded_fallback=False)) as bare, \
             Client(front_target(kept)) as with_fallback, Client(front_target(bare)) as without:
         assert kept.fallback is not None and bare.fallback is None
         assert with_fallback.embed(["before the crash"]).backend == "triton"

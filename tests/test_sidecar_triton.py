@@ -57,7 +57,7 @@ class MissLoad:
 
 
 def triton_sidecar_settings(settings: Settings, server: TritonServer) -> Settings:
-    s = settings.with_section("triton", urls=(server.grpc_url,), timeout_ms=10_000, probe_interval_s=0.2)
+    s = settings.with_section("triton", urls=(server.grpc_url,), timeout_ms=10_000)
     return sidecar_settings(s, backend="triton", http_port=-1)
 
 

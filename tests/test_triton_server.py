@@ -453,7 +453,7 @@ def test_stop_leaves_no_stub_processes(own_server: TritonServer) -> None:
 def test_cli_serve_stops_cleanly_on_sigterm(settings: Settings, tmp_path: Path) -> None:
     require_triton()
     env = {**os.environ, "EMBEDCAR_MODEL_MODELS_DIR": str(settings.model.models_dir),
-           "EMBEDCAR_TRITON_REPO_DIR": str(tmp_path / "repo"), "EMBEDCAR_TRITON_BACKEND_DIR": str(tmp_path / "be")}
+           "EMBEDCAR_TRITON_REPO_DIR": str(tmp_path / "repo")}
     cmd = [sys.executable, "-m", "inference.cli_main", "triton", "serve",
            "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

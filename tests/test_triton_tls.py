@@ -82,7 +82,7 @@ def copy_dir(*sources: Path, to: Path, drop: tuple[str, ...] = (), replace: dict
 def hardened_settings(settings: Settings, pool: PoolFiles, root: Path) -> Settings:
     """Triton host triton-a with the sidecar's client certificate beside it (the launcher presents that)."""
     tls_dir = copy_dir(pool.dirs["triton-a"], pool.dirs["sidecar"], to=root / "tls")
-    return settings.with_section("triton", repo_dir=root / "repo", backend_dir=root / "backends", tls_dir=tls_dir)
+    return settings.with_section("triton", repo_dir=root / "repo", tls_dir=tls_dir)
 
 
 @pytest.fixture(scope="module")
@@ -384,7 +384,7 @@ async def test_sidecar_key_in_wrong_file_is_a_startup_error(hs: Settings, server
 def test_sidecar_embeds_and_searches_through_hardened_triton(hs: Settings, grocery_index_root: Path,
                                                              onnx_backend: OnnxBackend,
                                                              tokenizer: QueryTokenizer) -> None:
-    s = sidecar_settings(hs.with_section("triton", timeout_ms=30_000, probe_interval_s=0.2), backend="triton",
+    s = sidecar_settings(hs.with_section("triton", timeout_ms=30_000), backend="triton",
                          http_port=-1, index_dir=grocery_index_root, embedded_fallback=False)
     with SidecarThread(s) as sc, Client(sc.grpc_target) as c:
         assert sc.backend.name == "triton"
@@ -408,7 +408,7 @@ def test_the_compiled_fronts_own_triton_calls_go_over_tls_with_the_key(hs: Setti
 
     if (why := unavailable_reason()) is not None:
         pytest.skip(f"the compiled front cannot build here: {why}")
-    s = sidecar_settings(hs.with_section("triton", timeout_ms=30_000, probe_interval_s=0.2), backend="triton",
+    s = sidecar_settings(hs.with_section("triton", timeout_ms=30_000), backend="triton",
                          http_port=-1, grpc_server="compiled", cache_entries=0, embedded_fallback=False)
     with SidecarThread(s) as sc, Client(front_target(sc)) as c:
         before = passes(sc, "front")
@@ -436,7 +436,7 @@ def test_compose_triton_command_serves_hardened(settings: Settings, model_dir: P
     script = entry.split(" -c ", 1)[1].replace("$$", "$")
     binary = pytriton_root()
     assert binary is not None
-    s = settings.with_section("triton", repo_dir=tmp_path / "repo", backend_dir=tmp_path / "backends")
+    s = settings.with_section("triton", repo_dir=tmp_path / "repo")
     manifest = load_manifest(model_dir)
     repo = generate_repository(s, manifest, model_dir, target="cpu", variant="fp32", out_dir=tmp_path / "repo-cpu-fp32")
     ensemble = served_names(manifest, "fp32").ensemble

@@ -117,7 +117,7 @@ def test_one_repository_serves_two_models_to_one_sidecar(settings: Settings, mod
     models.mkdir()
     (models / model_dir.name).symlink_to(model_dir)
     other = _renamed_copy(model_dir, models, "minilm-copy")
-    s = settings.with_section("triton", repo_dir=tmp_path / "repo", backend_dir=tmp_path / "backends")
+    s = settings.with_section("triton", repo_dir=tmp_path / "repo")
     s = s.with_section("model", models_dir=models)
     with TritonServer(s, variant="fp32", models=(model_dir.name, other.name)) as server:
         assert sorted(server.ensembles) == sorted([served_names(manifest, "fp32").ensemble,

@@ -54,6 +54,6 @@ def make_backend(settings: Settings, kind: str, *, max_batch: int | None = None,
     t = settings.triton
     backend: Backend = triton.TritonBackend(
         t.urls, manifest, variant=m.variant, timeout_s=t.timeout_ms / 1000,
-        max_batch=min(max_batch or m.max_texts_per_call, t.max_batch_size), probe_interval_s=t.probe_interval_s,
+        max_batch=min(max_batch or m.max_texts_per_call, t.max_batch_size),
         credentials=client_credentials(t))  # None in the local profile; files checked here, named if wrong
     return backend

@@ -44,6 +44,9 @@ from inference.triton.tls import ClientCredentials
 log = logging.getLogger(__name__)
 
 _MAX_MSG = 256 * 1024 * 1024
+# How often each URL is probed for readiness: a Triton that went down is marked so within it, one
+# that came back is used again within it (tests pass a shorter one to the constructor).
+PROBE_INTERVAL_S = 0.5
 # The ensemble's id inputs: Triton's datatype names <-> numpy (CPU repositories take int32).
 ID_TYPES = {"INT32": np.int32, "INT64": np.int64}
 WIRE_TYPES = {np.int32: "INT32", np.int64: "INT64"}
@@ -133,7 +136,7 @@ class TritonBackend(Backend):
 
     def __init__(self, urls: Sequence[str], manifest: Manifest, *, variant: str | None = None,
                  model_name: str | None = None, timeout_s: float = 2.0, max_batch: int = 256,
-                 probe_interval_s: float = 0.5, credentials: ClientCredentials | None = None) -> None:
+                 probe_interval_s: float | None = None, credentials: ClientCredentials | None = None) -> None:
         if not urls:
             raise InvalidInput("TritonBackend needs at least one URL")
         self.manifest = manifest
@@ -146,7 +149,7 @@ class TritonBackend(Backend):
         self.names = served_names(manifest, self.variant_name)
         self.model_name = model_name or self.names.ensemble
         self.timeout_s = timeout_s
-        self.probe_interval_s = probe_interval_s
+        self.probe_interval_s = PROBE_INTERVAL_S if probe_interval_s is None else probe_interval_s
         # Hardened pool: TLS channels, and the key header on every call (the operator's on statistics).
         self.credentials = credentials
         self._md = credentials.metadata if credentials else None

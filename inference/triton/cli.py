@@ -45,7 +45,7 @@ def register(sub: Any) -> None:
     common(serve)
     served(serve)
     add_flags(serve, "triton", TritonSettings, "grpc_port", "http_port", "metrics_port", "max_queue_delay_us",
-              "instances", "host", "metrics_host", "tls_dir")
+              "instances", "host", "tls_dir")
     serve.set_defaults(func=_serve)
 
     certs = tsub.add_parser("certs", help="a private CA, the two API keys and, per host and per client of a "

@@ -232,10 +232,10 @@ class TritonServer:
         self.served: list[RepoModel] = []  # read at start() (a restart serves the manifests of then)
         t = settings.triton
         self.host = t.host
-        # Hardened: HTTP only on loopback (the healthcheck), metrics where the operator says (loopback by default).
+        # Hardened: HTTP (the healthcheck) and the unauthenticated metrics only on loopback; a monitoring
+        # interface gets them published (compose: EMBEDCAR_METRICS_ADDR) or through a local agent.
         self.hardened = hardened(t)
-        self.http_host = "127.0.0.1" if self.hardened else t.host
-        self.metrics_host = t.metrics_host or ("127.0.0.1" if self.hardened else t.host)
+        self.http_host = self.metrics_host = "127.0.0.1" if self.hardened else t.host
         self._flags: ServerFlags | None = None
         # 0/None = chosen by start(), right before Popen (a port picked earlier can be gone by then).
         self.grpc_port = grpc_port or 0

@@ -28,8 +28,7 @@ def _sidecar(settings: Settings, triton: TritonServer, work: Path, *, fallback: 
     return SidecarProcess(settings, backend="triton", variant=triton.variant, triton_url=triton.grpc_url,
                           log_file=work / f"sidecar-fallback-{'on' if fallback else 'off'}-{budget_ms:g}.log",
                           extra_env={"EMBEDCAR_SIDECAR_EMBEDDED_FALLBACK": "1" if fallback else "0",
-                                     "EMBEDCAR_SIDECAR_ADMISSION_BUDGET_MS": str(budget_ms),
-                                     "EMBEDCAR_TRITON_PROBE_INTERVAL_S": "0.2"})
+                                     "EMBEDCAR_SIDECAR_ADMISSION_BUDGET_MS": str(budget_ms)})
 
 
 async def _outage(settings: Settings, triton: TritonServer, work: Path, *, fallback: bool, rate: float,
@@ -70,7 +69,7 @@ def run(settings: Settings, work: Path, *, quick: bool) -> ScenarioResult:
         res.check("tritonserver runs here", "yes", reason, False)
         return res
     rate, kill_at, outage_s, after_s = (20.0, 3.0, 3.0, 4.0) if quick else (50.0, 10.0, 10.0, 10.0)
-    s = settings.with_section("triton", repo_dir=work / "triton" / "repo", backend_dir=work / "triton" / "backends")
+    s = settings.with_section("triton", repo_dir=work / "triton" / "repo")  # backends/ beside it
     triton = TritonServer(s, variant=settings.model.variant, log_file=work / "tritonserver.log")
     triton.start()
     try:

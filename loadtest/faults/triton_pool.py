@@ -27,9 +27,8 @@ async def _run(settings: Settings, a: TritonServer, b: TritonServer, work: Path,
     texts = fresh_queries(settings, config.requests, 3)
     with SidecarProcess(settings, backend="triton", variant=a.variant, triton_url=f"{a.grpc_url},{b.grpc_url}",
                         log_file=work / "sidecar.log",
-                        extra_env={"EMBEDCAR_SIDECAR_EMBEDDED_FALLBACK": "0",
-                                   "EMBEDCAR_SIDECAR_ADMISSION_BUDGET_MS": str(settings.sidecar.admission_budget_ms),
-                                   "EMBEDCAR_TRITON_PROBE_INTERVAL_S": "0.2"}) as sc:
+                        extra_env={"EMBEDCAR_SIDECAR_EMBEDDED_FALLBACK": "0", "EMBEDCAR_SIDECAR_ADMISSION_BUDGET_MS":
+                                   str(settings.sidecar.admission_budget_ms)}) as sc:
         target = RecordingEmbedTarget(sc.grpc_target)
         await target.start()
         try:
@@ -49,7 +48,7 @@ def run(settings: Settings, work: Path, *, quick: bool) -> ScenarioResult:
     rate, kill_at, after_s = (20.0, 3.0, 4.0) if quick else (50.0, 10.0, 20.0)
     servers = []
     for name in ("a", "b"):
-        s = settings.with_section("triton", repo_dir=work / name / "repo", backend_dir=work / name / "backends")
+        s = settings.with_section("triton", repo_dir=work / name / "repo")  # backends/ beside it
         servers.append(TritonServer(s, variant=settings.model.variant, log_file=work / f"tritonserver-{name}.log"))
     try:
         for srv in servers:
