@@ -6,8 +6,7 @@ import argparse
 import logging
 from typing import Any
 
-from demo_ui.settings import DemoSettings
-from embedcar_settings import Settings
+from embedcar_settings import DemoSettings, Settings
 from inference.flags import add_flags, flag_overrides
 
 

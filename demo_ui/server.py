@@ -44,8 +44,8 @@ from catalog.fusion import SearchMode, parse_mode
 from demo_ui.limits import LIMITS, DemoLimits
 from demo_ui.ratecap import RateCap
 from demo_ui.search import SearchFn, aisle_agreement, hit_json
-from demo_ui.settings import DemoSettings
 from demo_ui.slot import LatestSlot
+from embedcar_settings import DemoSettings
 from inference.errors import EmbedcarError, Internal, InvalidInput, Overloaded, Unauthenticated
 from inference.text import check_unicode
 from sidecar.auth import KeyRing

@@ -11,7 +11,7 @@ no module imports upward and code names only the sections it may read:
     inference.settings.Settings   model, triton
     catalog.settings.Settings     + catalog
     sidecar.settings.Settings     + sidecar
-    embedcar_settings.Settings    + demo (every section, top level: what demo_ui, loadtest and the tests use)
+    embedcar_settings.Settings    + demo (every section; a top-level module: what demo_ui, loadtest and the tests use)
 
 A process builds the `Settings` of the top layer it runs; a higher one passes wherever a lower one
 is asked for.

@@ -8,7 +8,6 @@ module names no layer above its own.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import typing
 from pathlib import Path
 from typing import Any
@@ -50,10 +49,11 @@ def is_advanced(f: dataclasses.Field[Any]) -> bool:
 
 def section_table(section: str, cls: type[Any]) -> str:
     """The section's operator settings, then its advanced ones in a table of their own."""
-    source = Path(inspect.getfile(cls))
+    # The module's path from the checkout's root (a package's, or a top-level module's).
+    source = Path(*cls.__module__.split(".")).with_suffix(".py")
     hints = typing.get_type_hints(cls)
     fields = dataclasses.fields(cls)
-    lines = [f"## {section}", "", f"`{cls.__name__}` in `{source.parent.name}/{source.name}`.", ""]
+    lines = [f"## {section}", "", f"`{cls.__name__}` in `{source.as_posix()}`.", ""]
     operator = [f for f in fields if not is_advanced(f)]
     advanced = [f for f in fields if is_advanced(f)]
     if operator:

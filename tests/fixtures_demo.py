@@ -23,8 +23,7 @@ from catalog.fusion import SearchMode
 from demo_ui.limits import LIMITS, DemoLimits
 from demo_ui.search import SearchFn
 from demo_ui.server import build_server, create_app
-from demo_ui.settings import DemoSettings
-from embedcar_settings import Settings
+from embedcar_settings import DemoSettings, Settings
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import Embedder
 from inference.tokenizer import QueryTokenizer

@@ -25,9 +25,8 @@ from websockets.asyncio.client import connect
 from catalog.fusion import SearchMode
 from demo_ui.search import aisle_agreement
 from demo_ui.server import build_server, create_app
-from demo_ui.settings import DemoSettings
 from demo_ui.stack import Prepared, prepare, serve
-from embedcar_settings import Settings
+from embedcar_settings import DemoSettings, Settings
 from inference.errors import FailedPrecondition, ModelError, Unavailable
 from inference.prepare import prepare_model
 from sidecar.results import SearchHit, SearchResult

@@ -18,7 +18,7 @@ from websockets.exceptions import ConnectionClosed
 from catalog.fusion import SearchMode
 from demo_ui.limits import LIMITS, DemoLimits
 from demo_ui.server import parse_message
-from demo_ui.settings import DemoSettings
+from embedcar_settings import DemoSettings
 from inference.errors import InvalidInput, Unavailable
 from sidecar.results import SearchResult
 from tests.fixtures_demo import GatedSearch, InProcessSearch, inprocess_search, running_demo

@@ -12,8 +12,7 @@ import httpx
 import pytest
 
 from demo_ui.server import build_server
-from demo_ui.settings import DemoSettings
-from embedcar_settings import Settings
+from embedcar_settings import DemoSettings, Settings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import FailedPrecondition, Unavailable
 from inference.triton.certs import PoolFiles, make_pool_certs

@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from catalog import settings as catalog
-from demo_ui import settings as demo
-from embedcar_settings import Settings
+from embedcar_settings import DemoSettings, Settings
 from inference import settings as inference
 from inference.cli import add_model_flags
 from inference.files import atomic_write_text
@@ -319,7 +318,7 @@ def _catalog_search(args: argparse.Namespace) -> int:
 # --- demo -----------------------------------------------------------------------------------
 def _register_demo(areas: Any) -> None:
     p = areas.add_parser("demo", help="scripted typist on a running demo: per-keystroke P50/P95 by stage")
-    add_flags(p, "demo", demo.DemoSettings, "host", "port", "budget_ms")  # the demo's address, the budget line
+    add_flags(p, "demo", DemoSettings, "host", "port", "budget_ms")  # the demo's address, the budget line
     p.add_argument("--url", default=None, help="websocket URL (default ws://HOST:PORT/ws from the demo settings)")
     p.add_argument("--queries", type=int, default=200, help="queries to type (default 200)")
     p.add_argument("--key-interval-ms", type=float, default=60.0, help="time between keystrokes (default 60)")

@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from demo_ui.limits import DemoLimits
-from demo_ui.settings import DemoSettings
-from embedcar_settings import Settings
+from embedcar_settings import DemoSettings, Settings
 
 if TYPE_CHECKING:
     from sidecar.app import Sidecar
