@@ -280,13 +280,19 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int, 
         return JSONResponse({"object": "list", "data": data, "model": out.model, "mode": q.mode.value,
                              "index_version": out.index_version, "timings_ns": out.timings_ns}, headers=headers)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        """The served models, OpenAI's list shape: `id` is what a request's `model` may name."""
+    def keyless(request: Request) -> Response | None:
+        """The 401 reply of a request without one of our keys; None for a keyed one (no token taken)."""
         try:
             service.keys.tenant_for(_api_key(request.headers))
         except Unauthenticated as exc:
             return _error(exc)
+        return None
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        """The served models, OpenAI's list shape: `id` is what a request's `model` may name."""
+        if (refused := keyless(request)) is not None:
+            return refused
         data = [{"id": m.name, "object": "model", "owned_by": "embedcar", "version": m.version_id,
                  "dimensions": m.backend.dim, "default": i == 0} for i, m in enumerate(service.models)]
         return JSONResponse({"object": "list", "data": data})
@@ -299,11 +305,8 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int, 
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
-        # Keys only (no rate limit): a scrape must not eat a tenant's budget.
-        try:
-            service.keys.tenant_for(_api_key(request.headers))
-        except Unauthenticated as exc:
-            return _error(exc)
+        if (refused := keyless(request)) is not None:  # keys only (no rate limit): a scrape eats no budget
+            return refused
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
