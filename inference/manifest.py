@@ -18,6 +18,7 @@ from inference.files import atomic_write_text, sha256_file
 from inference.pooling import check_mode
 
 MANIFEST_FILE = "manifest.json"
+WEIGHTS_DIR = "weights"  # the PyTorch folder kept inside a prepared model directory
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,11 @@ class Manifest:
     # How a tuned model was made (`embedcar model tune`): base model and version, data, recipe, seed,
     # steps, held-out figures, the gate's verdict. Empty for a model prepared as it came.
     lineage: dict[str, Any] = field(default_factory=dict)
+    # The PyTorch folder the variants were exported from (config.json, weights), relative to the
+    # model directory: what the torch backend loads and `model tune` starts from; "" for none (an
+    # ONNX folder, or a model prepared before weights were kept). Not in the version id: the source
+    # checksum already covers the same weights.
+    weights: str = ""
 
     def with_version(self) -> Self:
         return type(self)(**{**_fields(self), "version_id": self.compute_version_id()})
@@ -120,6 +126,13 @@ class Manifest:
             raise ModelError(f"model {self.name} has no {key!r} variant (has: {', '.join(self.variants)})")
         return self.variants[key]
 
+    def weights_dir(self, model_dir: Path) -> Path | None:
+        """The kept PyTorch folder, where there is one (a tuned model of before the field: weights/)."""
+        rel = self.weights or (WEIGHTS_DIR if self.source.get("requirement") == "local"
+                               and self.source.get("folder") == WEIGHTS_DIR else "")
+        path = model_dir / rel if rel else None
+        return path if path is not None and (path / "config.json").is_file() else None
+
     @property
     def has_token_type_ids(self) -> bool:
         return "token_type_ids" in self.inputs
@@ -172,6 +185,8 @@ def verify_files(model_dir: Path, manifest: Manifest) -> list[str]:
         dense = model_dir / manifest.dense_file
         if not dense.exists() or sha256_file(dense) != manifest.dense_sha256:
             problems.append(f"Dense layers ({manifest.dense_file}) missing or changed")
+    if manifest.weights and manifest.weights_dir(model_dir) is None:
+        problems.append(f"PyTorch weights ({manifest.weights}/) missing")
     if manifest.version_id != manifest.compute_version_id():
         problems.append("version id does not match the checksums")
     return problems

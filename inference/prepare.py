@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from inference.errors import ModelError
-from inference.manifest import Manifest, load_manifest, verify_files
+from inference.manifest import WEIGHTS_DIR, Manifest, load_manifest, verify_files
 from inference.model_build import build_model_dir
 from inference.model_folder import ModelFolder, read_model_folder
 from inference.model_source import SOURCES, fetch_model, manifest_source
 
-WEIGHTS_DIR = "weights"  # a tuned model's PyTorch folder, kept beside its ONNX variants
+__all__ = ["WEIGHTS_DIR", "prepare_model", "previous_dir", "rollback_model", "weights_folder"]
 
 
 def folder_digest(folder: ModelFolder) -> str:
@@ -44,11 +44,16 @@ def folder_digest(folder: ModelFolder) -> str:
 
 def prepare_model(models_dir: Path, name: str, *, force: bool = False, from_dir: Path | None = None,
                   pooling: str | None = None, query_prompt: str | None = None, document_prompt: str | None = None,
-                  lineage: dict[str, Any] | None = None, keep_weights: bool = False,
+                  lineage: dict[str, Any] | None = None, keep_weights: bool = True,
                   say: Callable[[str], None] = print) -> Manifest:
-    """`lineage`: how the folder was made (a tuned model's), kept in the manifest. `keep_weights`: the
-    folder itself is kept in the model directory as weights/ (a tuned model has no other home; it is
-    what a later `model tune` starts from)."""
+    """`lineage`: how the folder was made (a tuned model's), kept in the manifest.
+
+    Unless `keep_weights` is False, a PyTorch folder (the bundled model's, a Hugging Face /
+    sentence-transformers --from folder) is kept in the model directory as weights/ (Manifest.weights):
+    what the torch backend loads and `model tune` starts from, and a tuned model's only home. It adds
+    the fp32 weights once more beside the ONNX variants (MiniLM: 87 MB to the variants' 153 MB); the
+    bundled folder is moved there, not copied; a --from folder is copied, so that the weights served
+    cannot change under the version id."""
     dest = models_dir / name
     folder = digest = None
     if from_dir is not None:
@@ -75,15 +80,14 @@ def prepare_model(models_dir: Path, name: str, *, force: bool = False, from_dir:
                 f"pooling {folder.pooling} ({folder.pooling_from})")
             source = {"requirement": "local", "folder": str(from_dir.resolve()) if from_dir else "",
                       "folder_digest": digest or "", "sha256": digest or ""}
-            if keep_weights:
-                source["folder"] = WEIGHTS_DIR
             manifest = build_model_dir(folder.path, staging, name=name, source=source, folder=folder, say=say,
                                        with_golden=False)
-            if keep_weights:
+            if keep_weights and folder.kind == "hf":
                 shutil.copytree(folder.path, staging / WEIGHTS_DIR)
+                manifest = dataclasses.replace(manifest, weights=WEIGHTS_DIR)
             if lineage:
                 manifest = dataclasses.replace(manifest, lineage=lineage)
-                manifest.save(staging)
+            manifest.save(staging)
         else:
             if name not in SOURCES:
                 raise ModelError(f"unknown model {name!r}: bundled models are {', '.join(SOURCES)}; prepare your own "
@@ -93,6 +97,10 @@ def prepare_model(models_dir: Path, name: str, *, force: bool = False, from_dir:
             src = fetch_model(bundled, models_dir / ".cache", Path(tmp) / "src")
             source = manifest_source(bundled)
             manifest = build_model_dir(src, staging, name=name, source=source, say=say)
+            if keep_weights:
+                src.rename(staging / WEIGHTS_DIR)  # the same file system: no copy
+                manifest = dataclasses.replace(manifest, weights=WEIGHTS_DIR)
+                manifest.save(staging)
         if dest.exists():  # kept for `model rollback`; the one before it goes
             prev = previous_dir(models_dir, name)
             if prev.exists():
@@ -106,11 +114,13 @@ def prepare_model(models_dir: Path, name: str, *, force: bool = False, from_dir:
 
 def weights_folder(model_dir: Path, manifest: Manifest) -> Path | None:
     """The PyTorch folder a prepared model was made from, where it still is: weights/ inside the model
-    directory (a tuned model) or the --from folder it was prepared from, unchanged since."""
+    directory, or (a model prepared before weights were kept) the --from folder it was prepared from."""
+    if (kept := manifest.weights_dir(model_dir)) is not None:
+        return kept
     folder = manifest.source.get("folder", "")
     if manifest.source.get("requirement") != "local" or not folder:
         return None
-    path = model_dir / folder if folder == WEIGHTS_DIR else Path(folder)
+    path = Path(folder)
     return path if (path / "config.json").is_file() else None
 
 
