@@ -43,6 +43,10 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Sigmoid": torch.sigmoid,
 }
 MAX_NEG = -1e9  # what the numpy max pooling puts at positions left out
+# Architectures given a [B, L, L] mask: their SDPA path asks the host whether a [B, L] mask is all ones
+# (transformers' _prepare_4d_attention_mask_for_sdpa), a synchronisation a CUDA graph cannot capture;
+# a 3-d mask takes their other path (get_extended_attention_mask), with the same meaning.
+MASK_3D = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
 
 
 def default_device() -> str:
@@ -65,6 +69,7 @@ class TorchEncoder:
         self.dtype = dtype
         self.dim = manifest.dim
         self.uses_token_types = manifest.has_token_type_ids
+        self._mask_3d = manifest.architecture in MASK_3D
         self._special = torch.tensor(head.special_ids or (-1,), dtype=torch.int64, device=device)
         # The Dense layers in float32 on the device, as the numpy head computes them.
         self._dense = [(torch.from_numpy(d.weight).to(device),
@@ -75,7 +80,8 @@ class TorchEncoder:
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None,
                 skip: int | torch.Tensor = 0) -> torch.Tensor:
         """[B, L] int64 tensors on the device -> [B, dim] float32 on the device (unchecked)."""
-        feed = {"input_ids": input_ids, "attention_mask": attention_mask}
+        mask = attention_mask[:, None, :].expand(-1, attention_mask.shape[1], -1) if self._mask_3d else attention_mask
+        feed = {"input_ids": input_ids, "attention_mask": mask}
         if self.uses_token_types:
             feed["token_type_ids"] = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
         hidden = self.model(**feed).last_hidden_state
