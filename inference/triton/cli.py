@@ -14,6 +14,9 @@ from inference.lifecycle import sigterm_as_interrupt
 from inference.manifest import load_manifest
 from inference.settings import ModelSettings, Settings, TritonSettings
 
+# repository.ENCODERS, not imported here: every `embedcar` command would load tritonclient to start.
+ENCODERS = ("onnx", "tensorrt", "torch")
+
 
 def _settings(args: argparse.Namespace) -> Settings:
     return Settings.load(overrides=flag_overrides(args))
@@ -39,13 +42,20 @@ def register(sub: Any) -> None:
     add_flags(repo, "triton", TritonSettings, "target", "repo_dir", "max_queue_delay_us", "instances")
     repo.add_argument("--project-root", type=Path, default=None,
                       help="where the project lives for the backend stub, e.g. /opt/embedcar in the container")
+    repo.add_argument("--encoder", choices=ENCODERS, default=None,
+                      help="what runs the transformer: the target's own by default (cpu: onnx, gpu: tensorrt), or "
+                      "torch on either: the model's PyTorch weights in a Python-backend model (a GPU without TensorRT)")
     repo.set_defaults(func=_repo)
 
-    serve = tsub.add_parser("serve", help="run the bundled tritonserver on the CPU repository until Ctrl-C")
+    serve = tsub.add_parser("serve", help="run the bundled tritonserver on the CPU repository (--encoder torch: "
+                            "the --target one) until Ctrl-C")
     common(serve)
     served(serve)
     add_flags(serve, "triton", TritonSettings, "grpc_port", "http_port", "metrics_port", "max_queue_delay_us",
-              "instances", "host", "tls_dir")
+              "instances", "host", "tls_dir", "target")
+    serve.add_argument("--encoder", choices=("onnx", "torch"), default=None,
+                       help="onnx (default): ONNX Runtime on the CPU, whatever --target says; torch: the model's "
+                       "PyTorch weights, on this machine's GPUs with --target gpu, else on the CPU")
     serve.set_defaults(func=_serve)
 
     certs = tsub.add_parser("certs", help="a private CA, the two API keys and, per host and per client of a "
@@ -80,7 +90,7 @@ def _repo(args: argparse.Namespace) -> int:
         model_dir = s.model.models_dir / name
         manifest = load_manifest(model_dir)
         models.append(RepoModel(manifest, model_dir, s.model.variant or manifest.default_variant))
-    out = generate_models(s, models, project_root=args.project_root)
+    out = generate_models(s, models, project_root=args.project_root, encoder=args.encoder)
     for m in models:
         print(f"{m.names.ensemble}  ({m.names.variant_id})")
     print(out)
@@ -92,8 +102,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     s = _settings(args)
     t = s.triton
+    # Only the torch encoder takes triton.target here: a TensorRT repository needs its engines first.
+    torch = args.encoder == "torch"
     server = TritonServer(s, models=_model_names(args, s), grpc_port=t.grpc_port, http_port=t.http_port,
-                          metrics_port=t.metrics_port)
+                          metrics_port=t.metrics_port, encoder=args.encoder, target=t.target if torch else "cpu")
     with sigterm_as_interrupt():
         try:
             server.start()

@@ -7,6 +7,9 @@ backend stub outlives the server; `kill()` is SIGKILL for fault tests.
 
 It serves `settings.model` by default, or every model `models` names (each with `variant`, or its
 own default variant), from one repository: each version under its own names (inference/triton/names.py).
+`encoder="torch"` runs the models' PyTorch weights instead of ONNX Runtime, on the CPU or, with
+`target="gpu"`, on this machine's GPUs: a GPU repository without TensorRT (a TensorRT one needs its
+engines built first: the compose triton service).
 
 Start-up is ready only when this process listens on its own ports and answers over HTTP and gRPC:
 a port taken by someone else between choosing and binding (or a foreign server answering on it)
@@ -45,12 +48,12 @@ from typing import IO, Any, Self
 
 import numpy as np
 
-from inference.errors import ModelError, Unavailable
+from inference.errors import InvalidInput, ModelError, Unavailable
 from inference.grpc_io import for_other_grpc
 from inference.manifest import Manifest, load_manifest
 from inference.settings import Settings
 from inference.triton import argv_secrets
-from inference.triton.repository import RepoModel, generate_models, stub_sys_path
+from inference.triton.repository import RepoModel, encoder_kind, generate_models, stub_sys_path
 from inference.triton.tls import ServerFlags, hardened, server_flags
 
 log = logging.getLogger(__name__)
@@ -223,9 +226,14 @@ class TritonServer:
 
     def __init__(self, settings: Settings, *, variant: str | None = None, models: Sequence[str] = (),
                  grpc_port: int | None = None, http_port: int | None = None, metrics_port: int | None = None,
-                 log_file: Path | None = None, extra_args: Sequence[str] = (), pooling_step: bool = False) -> None:
+                 log_file: Path | None = None, extra_args: Sequence[str] = (), pooling_step: bool = False,
+                 encoder: str | None = None, target: str = "cpu") -> None:
+        if encoder_kind(target, encoder) == "tensorrt":
+            raise InvalidInput("the bundled tritonserver serves a GPU repository with the torch encoder only: a "
+                               "TensorRT one needs its engines built first (the compose triton service)")
         self.settings = settings
         self.pooling_step = pooling_step  # the GPU target's two-step layout on CPU (repository.generate_models)
+        self.encoder, self.target = encoder, target
         self.extra_args = list(extra_args)  # more tritonserver flags, e.g. tracing for a benchmark
         self.variant = variant or settings.model.variant  # "" = each model's own default
         self.model_names = tuple(models) or (settings.model.name,)
@@ -388,8 +396,10 @@ class TritonServer:
         # from one checkout without removing each other's models.
         repo_dir = self.settings.triton.repo_dir
         key = hashlib.sha256(" ".join(self.ensembles).encode()).hexdigest()[:10]
-        self.repo = generate_models(self.settings, self.served, target="cpu", pooling_step=self.pooling_step,
-                                    out_dir=repo_dir.with_name(f"{repo_dir.name}-cpu-{key}"))
+        # A torch server's folder is its own: it never rewrites the ONNX one of the same models.
+        layout = f"{self.target}-{self.encoder}" if self.encoder else self.target
+        self.repo = generate_models(self.settings, self.served, target=self.target, pooling_step=self.pooling_step,
+                                    encoder=self.encoder, out_dir=repo_dir.with_name(f"{repo_dir.name}-{layout}-{key}"))
         auto = [k for k in self._port_kinds() if k not in self.given_ports]
         attempts = max(1, self.start_attempts) if auto else 1
         # A restart keeps its ports (clients know them) unless one of them has been taken since.

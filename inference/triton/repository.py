@@ -17,6 +17,12 @@ Targets:
   tests, `bench triton --compare-step`) keeps the two-step layout of the GPU target on CPU.
 - gpu: the encoder is a TensorRT plan (built by trt_engine.py), KIND_GPU x triton.instances, followed by
   the Python-backend pooling step.
+
+Encoders (`encoder=`, `embedcar triton repo --encoder`): each target's own by default (cpu: onnx, gpu:
+tensorrt), or `torch` on either: a Python-backend model running the model's PyTorch weights
+(inference/torch_encoder.py, what the sidecar's torch backend runs), KIND_GPU or KIND_CPU instances
+sized as the target's encoder; it pools in its stub like the CPU encoder, so a GPU host needs no
+TensorRT and the ensemble, and its clients, stay the same.
 """
 
 from __future__ import annotations
@@ -41,6 +47,13 @@ from inference.settings import Settings
 from inference.triton.names import ModelNames, served_names
 
 TARGETS = ("cpu", "gpu")
+# What runs the transformer: each target's own, or torch (a Python-backend model) on either.
+ENCODERS = ("onnx", "tensorrt", "torch")
+TARGET_ENCODER = {"cpu": "onnx", "gpu": "tensorrt"}
+# The torch encoder computes in the served variant's precision (torch dtype names): on a CPU in
+# float32 only (half precision there is emulated, slower than fp32).
+TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+TORCH_CPU_PRECISIONS = ("fp32",)
 # Dynamic batching's preferred sizes (those above triton.max_batch_size dropped): fixed since the first
 # Triton benchmark; the batcher takes what is queued (max_queue_delay_us 0) whatever they are.
 PREFERRED_BATCH_SIZES = (4, 8, 16, 32)
@@ -52,6 +65,7 @@ VARIANT_ID_PARAM = "variant_id"  # the ensemble's parameter naming the model var
 # The Python-backend models' code folders (inference/triton/models/<kind>/model.py).
 ENCODER = "encoder"
 POOLING = "pooling"
+TORCH_ENCODER = "torch_encoder"
 # GPU repositories: one line per encoder the TensorRT step must fill (trt_engine.py --repo reads it).
 ENGINES_FILE = "ENGINES"
 HIDDEN = "last_hidden_state"
@@ -123,9 +137,24 @@ def _batching(cfg: mc.ModelConfig, settings: Settings, delay_us: int, *, queue_t
     policy.allow_timeout_override = True
 
 
-def pooled_in_encoder(target: str, *, pooling_step: bool = False) -> bool:
-    """Whether the encoder itself emits the embedding (CPU target, unless the two-step layout is asked for)."""
-    return target == "cpu" and not pooling_step
+def encoder_kind(target: str, encoder: str | None = None) -> str:
+    """What runs the transformer in a `target` repository: `encoder`, or the target's own."""
+    if target not in TARGETS:
+        raise InvalidInput(f"unknown Triton target {target!r}; expected cpu or gpu")
+    kind = encoder or TARGET_ENCODER[target]
+    if kind not in ENCODERS:
+        raise InvalidInput(f"unknown Triton encoder {kind!r}; expected {', '.join(ENCODERS)}")
+    if kind not in (TARGET_ENCODER[target], "torch"):
+        raise InvalidInput(f"the {kind} encoder has no {target} layout; on {target}: "
+                           f"{TARGET_ENCODER[target]} (the default) or torch")
+    return kind
+
+
+def pooled_in_encoder(target: str, *, pooling_step: bool = False, encoder: str | None = None) -> bool:
+    """Whether the encoder itself emits the embedding: torch always, ONNX on CPU unless the two-step
+    layout is asked for."""
+    kind = encoder_kind(target, encoder)
+    return kind == "torch" or (kind == "onnx" and not pooling_step)
 
 
 def _head_params(cfg: mc.ModelConfig, manifest: Manifest, model_dir: Path) -> None:
@@ -133,10 +162,10 @@ def _head_params(cfg: mc.ModelConfig, manifest: Manifest, model_dir: Path) -> No
         _param(cfg, key, value)
 
 
-def _ids_type(target: str) -> int:
-    # CPU: int32 ids on the wire (half the bytes), cast inside the encoder. GPU: a TensorRT 10 engine
+def _ids_type(kind: str) -> int:
+    # Python-backend encoders: int32 ids on the wire (half the bytes), cast inside. A TensorRT 10 engine
     # built from the int64 ONNX keeps int64 bindings, and the config must match the engine.
-    return int(mc.TYPE_INT32 if target == "cpu" else mc.TYPE_INT64)
+    return int(mc.TYPE_INT64 if kind == "tensorrt" else mc.TYPE_INT32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,22 +181,36 @@ class RepoModel:
         return served_names(self.manifest, self.variant)
 
 
+def _instances(cfg: mc.ModelConfig, settings: Settings, target: str) -> CpuSizing:
+    """The encoder's instance group: per GPU on gpu, sized to the cores on cpu (returned either way)."""
+    sizing = cpu_sizing(settings)
+    if target == "gpu":
+        cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=settings.triton.instances or GPU_INSTANCES)
+    else:
+        cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=sizing.instances)
+    return sizing
+
+
 def encoder_config(settings: Settings, manifest: Manifest, model_dir: Path, *, target: str,
-                   variant: str, sys_path: list[str], pooling_step: bool = False) -> mc.ModelConfig:
+                   variant: str, sys_path: list[str], pooling_step: bool = False,
+                   encoder: str | None = None) -> mc.ModelConfig:
     t = settings.triton
+    kind = encoder_kind(target, encoder)
     cfg = mc.ModelConfig(name=served_names(manifest, variant).encoder, max_batch_size=t.max_batch_size)
     for name in manifest.inputs:
-        cfg.input.add(name=name, data_type=_ids_type(target), dims=[-1])
+        cfg.input.add(name=name, data_type=_ids_type(kind), dims=[-1])
+    # Python-backend encoders check the caller's deadline themselves (see _batching).
+    _batching(cfg, settings, t.max_queue_delay_us, queue_timeouts=kind == "tensorrt")
+    if kind == "torch":
+        return _torch_encoder(cfg, settings, manifest, model_dir, target=target, variant=variant, sys_path=sys_path)
     cfg.output.add(name=HIDDEN, data_type=mc.TYPE_FP32, dims=[-1, manifest.encoder_width])
-    _batching(cfg, settings, t.max_queue_delay_us, queue_timeouts=target == "gpu")
-    if target == "gpu":
+    if kind == "tensorrt":
         cfg.platform = "tensorrt_plan"
         cfg.default_model_filename = PLAN_FILE
-        cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=t.instances or GPU_INSTANCES)
+        _instances(cfg, settings, target)
         return cfg
-    sizing = cpu_sizing(settings)
     cfg.backend = "python"
-    cfg.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=sizing.instances)
+    sizing = _instances(cfg, settings, target)
     onnx = (model_dir / manifest.variant(variant).file).resolve()
     _param(cfg, "onnx_path", onnx)
     _param(cfg, "intra_op_threads", sizing.ort_threads)
@@ -181,14 +224,29 @@ def encoder_config(settings: Settings, manifest: Manifest, model_dir: Path, *, t
     return cfg
 
 
+def _torch_encoder(cfg: mc.ModelConfig, settings: Settings, manifest: Manifest, model_dir: Path, *, target: str,
+                   variant: str, sys_path: list[str]) -> mc.ModelConfig:
+    """The torch encoder: ids in, the model's embedding out (it pools in its stub, as the CPU encoder)."""
+    cfg.backend = "python"
+    cfg.output.add(name=OUTPUT, data_type=mc.TYPE_FP32, dims=[manifest.dim])
+    sizing = _instances(cfg, settings, target)
+    _param(cfg, "model_dir", model_dir.resolve())
+    _param(cfg, "dtype", TORCH_DTYPES[manifest.variant(variant).precision])
+    if target == "cpu":  # instances x torch threads <= cores, as the ONNX encoder's
+        _param(cfg, "threads", sizing.ort_threads)
+    _param(cfg, "sys_path", os.pathsep.join(sys_path))
+    return cfg
+
+
 def pooling_config(settings: Settings, manifest: Manifest, model_dir: Path, *, target: str, variant: str,
-                   sys_path: list[str]) -> mc.ModelConfig:
+                   sys_path: list[str], encoder: str | None = None) -> mc.ModelConfig:
+    ids_type = _ids_type(encoder_kind(target, encoder))
     cfg = mc.ModelConfig(name=served_names(manifest, variant).pooling, backend="python",
                          max_batch_size=settings.triton.max_batch_size)
     cfg.input.add(name=HIDDEN, data_type=mc.TYPE_FP32, dims=[-1, manifest.encoder_width])
-    cfg.input.add(name="attention_mask", data_type=_ids_type(target), dims=[-1])
+    cfg.input.add(name="attention_mask", data_type=ids_type, dims=[-1])
     if manifest.pooling == "mean_excluding_special":
-        cfg.input.add(name="input_ids", data_type=_ids_type(target), dims=[-1])
+        cfg.input.add(name="input_ids", data_type=ids_type, dims=[-1])
     cfg.output.add(name=OUTPUT, data_type=mc.TYPE_FP32, dims=[manifest.dim])
     # Pooling is cheap and runs per request; queue delay 0 = take what is queued, never wait.
     _batching(cfg, settings, 0, queue_timeouts=False)
@@ -199,18 +257,19 @@ def pooling_config(settings: Settings, manifest: Manifest, model_dir: Path, *, t
 
 
 def ensemble_config(settings: Settings, manifest: Manifest, *, target: str, variant: str,
-                    pooling_step: bool = False) -> mc.ModelConfig:
+                    pooling_step: bool = False, encoder: str | None = None) -> mc.ModelConfig:
     names = served_names(manifest, variant)
+    kind = encoder_kind(target, encoder)
     cfg = mc.ModelConfig(name=names.ensemble, platform="ensemble", max_batch_size=settings.triton.max_batch_size)
     # The name already says the version; the full id is here for people and for the client's check.
     _param(cfg, VARIANT_ID_PARAM, names.variant_id)
     for name in manifest.inputs:
-        cfg.input.add(name=name, data_type=_ids_type(target), dims=[-1])
+        cfg.input.add(name=name, data_type=_ids_type(kind), dims=[-1])
     cfg.output.add(name=OUTPUT, data_type=mc.TYPE_FP32, dims=[manifest.dim])
     enc = cfg.ensemble_scheduling.step.add(model_name=names.encoder, model_version=-1)
     for name in manifest.inputs:
         enc.input_map[name] = name
-    if pooled_in_encoder(target, pooling_step=pooling_step):
+    if pooled_in_encoder(target, pooling_step=pooling_step, encoder=kind):
         enc.output_map[OUTPUT] = OUTPUT
         return cfg
     enc.output_map[HIDDEN] = "_hidden"
@@ -247,25 +306,41 @@ def _write_if_changed(path: Path, text: str) -> bool:
 
 def generate_repository(settings: Settings, manifest: Manifest, model_dir: Path, *, out_dir: Path | None = None,
                         target: str | None = None, variant: str | None = None,
-                        project_root: Path | None = None, pooling_step: bool = False) -> Path:
+                        project_root: Path | None = None, pooling_step: bool = False,
+                        encoder: str | None = None) -> Path:
     """The repository of one model version (see `generate_models`)."""
     variant = variant or settings.model.variant or manifest.default_variant
     return generate_models(settings, [RepoModel(manifest, model_dir, variant)], out_dir=out_dir, target=target,
-                           project_root=project_root, pooling_step=pooling_step)
+                           project_root=project_root, pooling_step=pooling_step, encoder=encoder)
 
 
 def _model_configs(settings: Settings, m: RepoModel, target: str, sys_path: list[str],
-                   pooling_step: bool) -> dict[str, mc.ModelConfig]:
+                   pooling_step: bool, encoder: str) -> dict[str, mc.ModelConfig]:
     m.manifest.variant(m.variant)  # fails clearly on an unknown variant
     names = m.names
     configs = {names.encoder: encoder_config(settings, m.manifest, m.model_dir, target=target, variant=m.variant,
-                                             sys_path=sys_path, pooling_step=pooling_step)}
-    if not pooled_in_encoder(target, pooling_step=pooling_step):
+                                             sys_path=sys_path, pooling_step=pooling_step, encoder=encoder)}
+    if not pooled_in_encoder(target, pooling_step=pooling_step, encoder=encoder):
         configs[names.pooling] = pooling_config(settings, m.manifest, m.model_dir, target=target, variant=m.variant,
-                                                sys_path=sys_path)
+                                                sys_path=sys_path, encoder=encoder)
     configs[names.ensemble] = ensemble_config(settings, m.manifest, target=target, variant=m.variant,
-                                              pooling_step=pooling_step)
+                                              pooling_step=pooling_step, encoder=encoder)
     return configs
+
+
+def _check_servable(m: RepoModel, kind: str, target: str) -> None:
+    precision = m.manifest.variant(m.variant).precision  # also fails on an unknown variant
+    if kind == "torch":
+        allowed = TORCH_CPU_PRECISIONS if target == "cpu" else tuple(TORCH_DTYPES)
+        if precision not in allowed:
+            raise ModelError(f"the torch encoder on {target} computes {' or '.join(allowed)}, not the {m.variant} "
+                             f"variant of {m.manifest.name}: set EMBEDCAR_MODEL_VARIANT (and the sidecars' too)")
+        if m.manifest.weights_dir(m.model_dir) is None:
+            raise ModelError(f"{m.model_dir} has no PyTorch weights for the torch encoder: prepare it again "
+                             "(`embedcar model prepare --force` keeps them under weights/), or use the ONNX encoder")
+    elif runtime_of(precision) != "onnxruntime":
+        raise ModelError(f"the {m.variant} variant of {m.manifest.name} runs on the embedded backend only "
+                         "(OpenVINO); a Triton repository serves fp32, fp16 or int8: set EMBEDCAR_MODEL_VARIANT")
 
 
 def _generated_models(repo: Path) -> set[str]:
@@ -279,44 +354,46 @@ def _generated_models(repo: Path) -> set[str]:
 
 
 def generate_models(settings: Settings, models: Sequence[RepoModel], *, out_dir: Path | None = None,
-                    target: str | None = None, project_root: Path | None = None, pooling_step: bool = False) -> Path:
+                    target: str | None = None, project_root: Path | None = None, pooling_step: bool = False,
+                    encoder: str | None = None) -> Path:
     """Write (or refresh) the models of every version in `models` under `out_dir`; returns the repository.
 
     Models an earlier run generated for versions not in `models` are removed (a repository volume
     reused for the next version would otherwise load the old one too). `project_root` overrides
     where the stub finds the project (e.g. /opt/embedcar in a container); its site-packages are then
     not added, since the container brings its own Python. `pooling_step`: pooling as its own model on CPU too
-    (the GPU target's layout, so a CPU host tests it).
+    (the GPU target's layout, so a CPU host tests it). `encoder`: what runs the transformer (ENCODERS;
+    default: the target's own).
     """
     target = target or settings.triton.target
-    if target not in TARGETS:
-        raise InvalidInput(f"unknown Triton target {target!r}; expected cpu or gpu")
+    kind = encoder_kind(target, encoder)
+    if kind == "torch" and pooling_step:
+        raise InvalidInput("the torch encoder pools in its own stub: no separate pooling step")
     if not models:
         raise InvalidInput("no model to write into the Triton repository")
     ids = [m.names.variant_id for m in models]
     if len(set(ids)) != len(ids):
         raise InvalidInput(f"a model version is named twice: {', '.join(ids)}")
     for m in models:
-        if runtime_of(m.manifest.variant(m.variant).precision) != "onnxruntime":  # also fails on an unknown one
-            raise ModelError(f"the {m.variant} variant of {m.manifest.name} runs on the embedded backend only "
-                             "(OpenVINO); a Triton repository serves fp32, fp16 or int8: set EMBEDCAR_MODEL_VARIANT")
+        _check_servable(m, kind, target)
     repo = (out_dir or settings.triton.repo_dir).resolve()
     sys_path = [str(project_root)] if project_root else stub_sys_path()
-    fused = pooled_in_encoder(target, pooling_step=pooling_step)
+    fused = pooled_in_encoder(target, pooling_step=pooling_step, encoder=kind)
+    code_dir = {"onnx": ENCODER, "torch": TORCH_ENCODER}.get(kind)  # a TensorRT plan has no model.py
     written: set[str] = set()
     engines = []
     for m in models:
-        configs = _model_configs(settings, m, target, sys_path, pooling_step)
+        configs = _model_configs(settings, m, target, sys_path, pooling_step, kind)
         for name, cfg in configs.items():
             _write_if_changed(repo / name / "config.pbtxt", render(cfg))
             load_config(repo / name / "config.pbtxt")
             (repo / name / "1").mkdir(parents=True, exist_ok=True)
         written |= set(configs)
         names = m.names
-        code = ({names.encoder: ENCODER} if target == "cpu" else {}) | ({} if fused else {names.pooling: POOLING})
-        for name, kind in code.items():
-            _write_if_changed(repo / name / "1" / "model.py", (MODEL_CODE / kind / "model.py").read_text())
-        if target == "cpu":
+        code = ({names.encoder: code_dir} if code_dir else {}) | ({} if fused else {names.pooling: POOLING})
+        for name, folder in code.items():
+            _write_if_changed(repo / name / "1" / "model.py", (MODEL_CODE / folder / "model.py").read_text())
+        if kind != "tensorrt":
             (repo / names.encoder / "1" / PLAN_FILE).unlink(missing_ok=True)
         else:
             (repo / names.encoder / "1" / "model.py").unlink(missing_ok=True)

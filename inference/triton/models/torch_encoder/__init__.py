@@ -1,0 +1,1 @@
+"""Triton Python-backend encoder on PyTorch (GPU or CPU), pooling in its stub."""
