@@ -43,7 +43,8 @@ class SidecarSettings:
         (), "Models this sidecar serves (prepared directories under model.models_dir), the first the default; "
         "a request names one with its `model` field (gRPC) or body (HTTP). Empty = model.name alone."
     )
-    backend: str = setting("embedded", "Inference backend: embedded (in-process ORT) or triton.", choices=KINDS)
+    backend: str = setting("embedded", "Inference backend: embedded (in-process ORT), triton, or torch (in-process "
+                           "PyTorch with CUDA graphs, for a GPU; the torch extra).", choices=KINDS)
     embedded_fallback: bool = setting(
         True, "Triton backend: answer with the embedded model while no Triton URL answers (only when the "
         "model's ONNX file is present in model_dir; replies and metrics name the backend that answered)."

@@ -3,6 +3,8 @@
     embedded  in-process ONNX Runtime (the model file of settings.model.variant)
     triton    a client of the Triton pool in settings.triton.urls (imported lazily: the embedded
               path never loads tritonclient)
+    torch     in-process PyTorch on the model's weights/, CUDA graphs on a GPU (the `torch` extra,
+              imported lazily: the other backends never load torch)
 
 A backend says itself what the pipeline needs to know about it (`Backend.batches_itself`), so no
 caller tests a backend's name or the settings' backend string to decide how to schedule it.
@@ -17,7 +19,7 @@ from inference.errors import FailedPrecondition, Unavailable
 from inference.manifest import load_manifest
 from inference.settings import Settings
 
-KINDS = ("embedded", "triton")
+KINDS = ("embedded", "triton", "torch")
 
 
 def check_kind(kind: str) -> str:
@@ -45,6 +47,16 @@ def make_backend(settings: Settings, kind: str, *, max_batch: int | None = None,
         return OnnxBackend(m.model_dir, manifest, variant=m.variant, threads=m.intra_op_threads, lanes=m.forward_lanes,
                            max_batch=max_batch or m.max_texts_per_call,
                            choose_threads=not batch_job)
+    if kind == "torch":
+        try:
+            torch_backend = importlib.import_module("inference.backends.torch")
+        except ImportError as exc:
+            raise FailedPrecondition(f"the torch backend needs the torch extra (pip install 'embedcar[torch]'): "
+                                     f"{exc}") from exc
+        backend: Backend = torch_backend.TorchBackend(m.model_dir, manifest, variant=m.variant,
+                                                      threads=m.intra_op_threads,
+                                                      max_batch=max_batch or m.max_texts_per_call)
+        return backend
     try:
         triton = importlib.import_module("inference.backends.triton")
     except ImportError as exc:
@@ -52,7 +64,7 @@ def make_backend(settings: Settings, kind: str, *, max_batch: int | None = None,
     from inference.triton.tls import client_credentials
 
     t = settings.triton
-    backend: Backend = triton.TritonBackend(
+    backend = triton.TritonBackend(
         t.urls, manifest, variant=m.variant, timeout_s=t.timeout_ms / 1000,
         max_batch=min(max_batch or m.max_texts_per_call, t.max_batch_size),
         credentials=client_credentials(t))  # None in the local profile; files checked here, named if wrong
