@@ -9,7 +9,7 @@ MODEL := models/all-MiniLM-L6-v2/manifest.json
 # dependencies: we use only the binary, and its Python API pins numpy < 2.
 PYTRITON := nvidia-pytriton==0.7.0
 
-.PHONY: install model demo test faults lint docs lock clean browser native allocator java infinity
+.PHONY: install model demo test faults lint docs lock clean browser native allocator java infinity gpu-bundle gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -71,6 +71,16 @@ java: $(STAMP)
 # torch 2.13.0 first: a CPU wheel on local disk (any other pin downloads a multi-GB CUDA build).
 infinity:
 	$(PY) -m venv var/infinity-venv && var/infinity-venv/bin/pip install -q torch==2.13.0 && var/infinity-venv/bin/pip install -q 'infinity-emb[optimum,server]==0.0.78'
+
+# What travels to a lent GPU machine (docs/gpu.md): a trimmed tritonserver, the wheels its image lacks and
+# MiniLM's config and tokenizer, in var/gpu-bundle/ with manifest.json; fails when tree + bundle > 60 MiB.
+gpu-bundle: $(STAMP)
+	$(BIN)/python -m loadtest.bench.gpu --build-bundle
+
+# The check itself, run ON the GPU machine through the device tool (its python3 holds torch; no venv
+# there): the report goes to $$OUT, else reports/gpu. Without a GPU it says so and exits 2.
+gpu-check:
+	$(PY) -m loadtest.bench.gpu --out "$${OUT:-reports/gpu}"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

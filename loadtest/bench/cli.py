@@ -1,4 +1,4 @@
-"""`embedcar bench model|int8|triton|sidecar|serving|neighbour|catalog|demo|transport|refusal`: the benchmarks
+"""`embedcar bench model|int8|triton|sidecar|serving|neighbour|catalog|demo|transport|refusal|gpu`: the benchmarks
 behind docs/benchmarks.md.
 
 Each area takes the settings flags of the runtime command it measures (inference.flags), so a
@@ -36,7 +36,7 @@ from sidecar.cli import add_sidecar_flags
 
 def register(sub: Any) -> None:
     p = sub.add_parser("bench", help="the benchmarks behind docs/benchmarks.md (model, int8, triton, sidecar, "
-                       "serving, neighbour, catalog, demo, transport, refusal)",
+                       "serving, neighbour, catalog, demo, transport, refusal, gpu)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     areas = p.add_subparsers(dest="bench_area", required=True, metavar="AREA")
     _register_model(areas)
@@ -49,6 +49,7 @@ def register(sub: Any) -> None:
     _register_transport(areas)
     _register_refusal(areas)
     _register_int8(areas)
+    _register_gpu(areas)
 
 
 # --- model ----------------------------------------------------------------------------------
@@ -400,6 +401,23 @@ def _int8(args: argparse.Namespace) -> int:
     if args.candidates is not None:
         argv += ["--candidates", ",".join(args.candidates)]
     return int8.main(argv)
+
+
+# --- gpu ------------------------------------------------------------------------------------
+def _register_gpu(areas: Any) -> None:
+    p = areas.add_parser("gpu", help="the check a session runs on a lent GPU machine: its facts, the gpu tests, "
+                         "torch floor vs sidecar (torch, Triton) latency (docs/gpu.md; also "
+                         "`python3 -m loadtest.bench.gpu` where embedcar is not installed)")
+    from loadtest.bench.gpu import add_arguments  # stdlib only at import: cheap
+
+    add_arguments(p)
+    p.set_defaults(func=_gpu)
+
+
+def _gpu(args: argparse.Namespace) -> int:
+    from loadtest.bench.gpu import run_args
+
+    return run_args(args)
 
 
 def _items(text: str) -> list[str]:
