@@ -2,7 +2,8 @@
 
 Behaviour, not timings: the verdicts and the table from a synthetic result, each configuration's
 settings; then one short real run (the model alone and the sidecar as shipped, beside a real
-neighbour process), asserting the report's structure and that its figures are sane.
+neighbour process), asserting the report's structure and that its figures are sane; and that the
+model's rows and blocks run in a process of their own that reports its latencies and CPU.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from inference.grpc_io import POLLING_IO
 from inference.settings import ModelSettings
 from loadtest.bench import cli as bench_cli
 from loadtest.bench import neighbour as neighbour_bench
+from loadtest.bench.model_floor import FloorSpec, ModelFloor
 from loadtest.bench.neighbour import (
     CONFIGS,
     DEFAULT_CONFIGS,
@@ -115,7 +117,7 @@ def test_paired_blocks_alternate_model_and_sidecar_in_abba_order() -> None:
         order.append("sidecar")
         return Tally([1.0] * len(texts), 0, len(texts), 0.01, 1.0)
 
-    def fake_model(embed: object, texts: list[str], rate: float) -> Tally:
+    def fake_model(floor: object, texts: list[str], rate: float, deadline_s: float) -> Tally:
         order.append("model")
         return Tally([2.0] * len(texts), 0, len(texts), 0.02, 1.0)
 
@@ -124,7 +126,7 @@ def test_paired_blocks_alternate_model_and_sidecar_in_abba_order() -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(neighbour_bench, "_load", fake_load)
         mp.setattr(neighbour_bench, "model_tally", fake_model)
-        model = type("M", (), {"embed": staticmethod(lambda t: None), "threads": 1})()
+        model = type("M", (), {"threads": 1, "pid": 1})()
         sidecar, alone = asyncio.run(neighbour_bench.paired_windows(
             Target(), lambda n: [str(next(texts)) for _ in range(n)], cfg, None, model))  # type: ignore[arg-type]
     assert order == ["model", "sidecar", "sidecar", "model", "model", "sidecar", "sidecar", "model"]
@@ -148,7 +150,7 @@ def test_markdown_has_one_row_per_configuration(tmp_path: Path) -> None:
     assert [r.split("|")[1].strip().split(" ")[0] for r in rows] == [r["config"] for r in result["rows"]]
     assert all(len(r.split("|")) == len(rows[0].split("|")) for r in rows)  # the skipped row too
     assert "fails cpu, beside" in md and "| reference |" in md and "skipped: failed: test" in md
-    assert "Neighbour alone: 300, 310 queries/s" in md
+    assert "Neighbour alone: 300, 310 queries/s" in md and "the model alone in its own process" in md
     paths = write_reports(result, tmp_path)
     assert json.loads(paths["json"].read_text())["rows"][0]["config"] == "model-1t"
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -179,6 +181,16 @@ def test_config_and_cli_lists_agree() -> None:
     assert ",".join(DEFAULT_CONFIGS) == bench_cli.NEIGHBOUR_CONFIGS
 
 
+def test_model_tally_runs_in_the_floors_own_process_and_counts_its_cpu(model_dir: Path) -> None:
+    with ModelFloor(FloorSpec(model_dir, variant="int8", threads=1)) as floor:
+        assert floor.pid is not None and floor.pid != os.getpid() and floor.threads == 1
+        tally = neighbour_bench.model_tally(floor, ["red apples", "oat milk", "sourdough bread", "eggs"], 40.0)
+    fig = tally.figures()
+    assert fig["requests"] == 4 and fig["errors"] == 0 and 0 < fig["p50"] <= fig["p95"] < 1_000
+    # The child's own getrusage: the model's CPU, nothing of this process's.
+    assert 0 < fig["cpu_ms_per_query"] < 1_000 and tally.generator_cpu_s == 0.0
+
+
 @pytest.mark.slow
 def test_bench_neighbour_end_to_end(tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "report"
@@ -192,6 +204,7 @@ def test_bench_neighbour_end_to_end(tmp_path: Path, model_dir: Path) -> None:
     result = json.loads((out / "neighbour.json").read_text())
     assert result["complete"] and [r["config"] for r in result["rows"]] == configs
     assert len(result["neighbour_alone"]) == 2 and all(q > 0 for q in result["neighbour_alone"])
+    assert result["rows"][0]["pid"] not in (None, os.getpid())  # the model row: its own process
     for row in result["rows"]:
         assert not row.get("skipped")
         for phase in ("quiet", "beside"):
@@ -204,6 +217,7 @@ def test_bench_neighbour_end_to_end(tmp_path: Path, model_dir: Path) -> None:
     assert (default["rpc"], stream["rpc"]) == ("unary", "stream") and stream["env"] == default["env"]
     for row in (default, stream):  # two blocks of 20 requests beside the sidecar's two
         assert row["model_paired"]["requests"] == 40 and row["model_paired"]["threads"] >= 1
+        assert row["model_paired"]["pid"] not in (None, os.getpid())
         assert 0 < row["model_paired"]["cpu_ms_per_query"] < 1_000
     aio = result["rows"][3]
     assert aio["rpc"] == "unary" and aio["env"] == default["env"] | {"EMBEDCAR_SIDECAR_GRPC_SERVER": "aio"}

@@ -1,8 +1,8 @@
 """`embedcar bench serving` (loadtest/bench/serving.py) and the Infinity launcher (loadtest/infinity.py).
 
 Behaviour, not timings: the table and figure from a synthetic result, the sweep dropping a failing
-target, alternating rounds, Infinity's model folder; then one short real run over floor, gRPC and
-HTTP.
+target, alternating rounds, Infinity's model folder; the floor: the model alone in a process of
+its own keeping the schedule; then one short real run over floor, gRPC and HTTP.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from inference.cli_main import main as cli_main
 from inference.errors import Unavailable
 from inference.manifest import load_manifest
 from loadtest.bench import cli as bench_cli
+from loadtest.bench.model_floor import FloorTarget
 from loadtest.bench.serving import (
     DEFAULT_KINDS,
     KINDS,
@@ -32,7 +34,8 @@ from loadtest.bench.serving import (
     write_reports,
 )
 from loadtest.infinity import DEFAULT_EXE, InfinityServer, infinity_unavailable_reason, prepare_folder
-from loadtest.runner import RunConfig
+from loadtest.report import summarize
+from loadtest.runner import RunConfig, run_load
 from loadtest.targets import StubTarget, Target, Timings
 from sidecar.settings import Settings as SidecarSettings
 from tests.components import native_available
@@ -116,6 +119,7 @@ def test_report_files_one_table_row_per_target_and_variant(tmp_path: Path) -> No
     assert cells[("floor", "int8")][8:] == ["none", "–"]
     assert cells[("grpc", "int8")][8:] == ["≥ 100/s", "25%"]
     assert cells[("infinity", "fp32")][2] == "not installed: make infinity"
+    assert "Floor: the model alone in its own process" in md
     # The header names where and how it was measured.
     assert "commit `abc1234`" in md and "`embedcar bench serving --variants fp32,int8`" in md
     assert "fp32 **300 queries/s**" in md and "int8 **400 queries/s**" in md and "infinity:fp32 0.999990" in md
@@ -200,6 +204,29 @@ def test_a_missing_infinity_is_a_skipped_row_not_a_failure(tmp_path: Path, model
     assert got[0].target is not None and got[1].target is None
 
 
+def test_the_floor_is_the_model_alone_in_its_own_process(model_dir: Path) -> None:
+    settings = SidecarSettings.load(environ={}, overrides={"model": {"models_dir": model_dir.parent}})
+    target = FloorTarget.for_model(settings.model, "int8")
+    cfg = RunConfig(rate=40.0, duration_s=0.1, warmup_s=0.05, deadline_ms=5000.0)
+
+    async def go() -> Any:
+        await target.start()
+        try:
+            await target.call(["green tea"], timeout_s=5.0)  # a settle probe: one query
+            return await run_load(target, ["red apples", "oat milk", "sourdough bread"], cfg)
+        finally:
+            await target.close()
+
+    result = asyncio.run(go())
+    assert [s.code for s in result.samples] == ["ok"] * 6 and [s.warmup for s in result.samples].count(True) == 2
+    assert all(0 < s.latency_s < 5 for s in result.samples)
+    facts = summarize(result, name="floor", sla_ms=5000.0)["target"]
+    # Its own process, on the sidecar's settings (threads as the sidecar chooses them), its own CPU.
+    assert facts["pid"] != os.getpid() and facts["backend"] == "embedded" and facts["threads"] >= 1
+    assert facts["variant"].endswith("/int8") and 0 < facts["cpu_ms_per_query"] < 1_000
+    assert result.generator_cpu_s == facts["cpu_s"]
+
+
 def test_cli_defaults_match_the_modules() -> None:
     # bench/cli.py spells these out so that `embedcar` does not import the bench at start-up.
     assert ",".join(KINDS) == bench_cli.SERVING_ALL_TARGETS
@@ -224,6 +251,8 @@ def test_bench_serving_end_to_end_over_floor_grpc_and_http(tmp_path: Path, model
     assert set(result["runs"]) == {f"{k}:fp32" for k in kinds}
     # The sidecar serves the model the floor runs.
     assert {k: v["cosine"] > 0.999 for k, v in result["sanity"].items()} == {f"{k}:fp32": True for k in kinds[1:]}
+    floor = result["runs"]["floor:fp32"]["fixed"][0]["summary"]["target"]
+    assert floor["pid"] != os.getpid() and floor["cpu_ms_per_query"] > 0
     for run in result["runs"].values():
         assert len(run["fixed"]) == 1 and run["fixed"][0]["requests"] == 40
         assert run["sweep"]["steps"][0]["rate"] == 20

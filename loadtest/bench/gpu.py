@@ -13,9 +13,10 @@ MiniLM's config and tokenizer) and the check, run there as `python3 -m loadtest.
    both with random weights made in a temporary folder there (latency does not depend on the
    weights; MiniLM's real weights are 45 MiB even in fp16 and do not fit the 64 MiB), prepared by
    the product's own `model prepare`, measures open loop at batch 1 on the load test's query stream
-   (loadtest/queries.py, every query distinct): the torch floor in its own process (fp16, with and
-   without CUDA graphs), the sidecar on the embedded torch backend, and the sidecar on the Triton
-   GPU ensemble with the torch encoder (4 instances);
+   (loadtest/queries.py, every query distinct): the torch floor, the model alone in its own process
+   keeping the schedule itself (loadtest/bench/model_floor.py; fp16, with and without CUDA
+   graphs), the sidecar on the embedded torch backend, and the sidecar on the Triton GPU ensemble
+   with the torch encoder (4 instances);
 5. writes one Markdown report, gpu.md, into --out.
 
 It ends within --budget seconds (default 450, under the 8 minutes a device call is planned for):
@@ -445,44 +446,10 @@ def settings_for(models_dir: Path, name: str, work: Path) -> Any:
         "triton": {"instances": TRITON_INSTANCES, "repo_dir": work / "triton" / "repo"}})
 
 
-def floor_child(models_dir: Path, name: str, graphs: bool, cfg: Config, duration_s: float, out: Path) -> None:
-    """The floor: the torch backend and the load generator alone in this process."""
-    from loadtest.targets import InProcessTarget
-
-    settings = settings_for(models_dir, name, out.parent)
-
-    class TorchFloor(InProcessTarget):
-        name = "torch-floor"
-
-        async def start(self) -> None:
-            from inference.backends.torch import TorchBackend
-            from inference.embedder import Embedder, load_tokenizer
-            from inference.manifest import load_manifest
-
-            class Eager(TorchBackend):
-                """The same backend with every pass run eagerly: what the graphs save."""
-
-                def _capture_all(self, enc: Any) -> None:
-                    for n in self.length_buckets:
-                        self._eager(self._filler(1, n))
-
-            m = settings.model
-            manifest = load_manifest(m.model_dir)
-            # As inference.backends.factory.make_backend builds it for sidecar.backend=torch.
-            backend = (TorchBackend if graphs else Eager)(m.model_dir, manifest, variant=m.variant,
-                                                          threads=m.intra_op_threads, max_batch=m.max_texts_per_call)
-            await backend.start()
-            self._embedder = Embedder(load_tokenizer(m.model_dir, manifest), backend)
-
-    run = _run_config(cfg, duration_s)
-    texts = _texts(settings.model.model_dir, run.requests, cfg.seed)
-    rec = _record(TorchFloor(settings.model.model_dir, variant=VARIANT), run, texts, "floor")
-    out.write_text(json.dumps(rec, default=str))
-
-
 def measure_model(kind: str, cfg: Config, clock: Clock, models_dir: Path, work: Path, *, later_runs: int,
                   later_models: int) -> dict[str, dict[str, Any]]:
     """Every row of one model -> key -> record, or {"skipped": why}."""
+    from loadtest.bench.model_floor import FloorSpec, FloorTarget
     from loadtest.stack import SidecarProcess
     from loadtest.targets import SidecarEmbedTarget
 
@@ -498,17 +465,14 @@ def measure_model(kind: str, cfg: Config, clock: Clock, models_dir: Path, work: 
             out[row.key] = {"skipped": f"not run: {left:.0f} s left of the {cfg.budget_s:g} s budget"}
             continue
         try:
-            if row.key.startswith("floor"):
-                dest = work / f"{kind}-{row.key}.json"
-                code, text = _run([sys.executable, "-m", "loadtest.bench.gpu", "floor", "--models-dir", str(models_dir),
-                                   "--name", kind, "--duration", f"{duration:.0f}", "--rate", f"{cfg.rate:g}",
-                                   "--warmup", f"{cfg.warmup_s:g}", "--result", str(dest)]
-                                  + ([] if row.key == "floor" else ["--graphs"]), left - 5, cwd=ROOT)
-                out[row.key] = json.loads(dest.read_text()) if code == 0 and dest.exists() else {
-                    "skipped": f"failed ({code}): {_last_line(text)}"}
-                continue
             run = _run_config(cfg, duration)
             texts = _texts(settings.model.model_dir, run.requests, cfg.seed + i)
+            if row.key.startswith("floor"):
+                # The torch backend as sidecar.backend=torch builds it, alone in its own process.
+                spec = FloorSpec.served(settings.model, backend="torch", graphs=row.key != "floor")
+                out[row.key] = _record(FloorTarget(spec, startup_timeout_s=min(180.0, max(left - duration, 10.0))),
+                                       run, texts, row.key)
+                continue
             with contextlib.ExitStack() as stack:
                 url = None
                 if row.key == "sidecar-triton":
@@ -657,24 +621,13 @@ def run_args(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["floor"], ["prepare"]):  # the check's own child processes
+    if argv[:1] == ["prepare"]:  # the check's own child process
         c = argparse.ArgumentParser()
-        if argv[0] == "prepare":
-            c.add_argument("kind", choices=tuple(MODELS))
+        c.add_argument("kind", choices=tuple(MODELS))
         c.add_argument("--models-dir", type=Path, required=True)
         c.add_argument("--bundle", type=Path, default=BUNDLE_DIR)
-        c.add_argument("--name", default="")
-        c.add_argument("--graphs", action="store_true")
-        c.add_argument("--duration", type=float, default=DURATION_S)
-        c.add_argument("--rate", type=float, default=RATE)
-        c.add_argument("--warmup", type=float, default=WARMUP_S)
-        c.add_argument("--result", type=Path, default=None)
         a = c.parse_args(argv[1:])
-        if argv[0] == "prepare":
-            prepare(a.kind, a.bundle, a.models_dir)
-        else:
-            cfg = Config(out=a.result.parent, rate=a.rate, warmup_s=a.warmup)
-            floor_child(a.models_dir, a.name, a.graphs, cfg, a.duration, a.result)
+        prepare(a.kind, a.bundle, a.models_dir)
         return 0
     p = argparse.ArgumentParser(prog="python3 -m loadtest.bench.gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -7,10 +7,13 @@ the compiled sender (loadtest.native; the Python client where it cannot build, t
   quiet    P50/P95 latency and the sidecar's CPU per query: utime + stime of every thread of the
            sidecar process and its children, from /proc (loadtest.proc_cpu), over the measured
            window divided by the requests sent in it; its idle CPU (share of one core) before load.
-           The window runs in --pairs blocks, each beside a block of the model alone in this
-           process at the same rate (ABBA order): this host's speed drifts by ±15 % over minutes,
-           more than the 1 ms the sidecar may add, so each row is judged against the model blocks
-           of its own minutes ("model beside it"), not model rows measured minutes before
+           The window runs in --pairs blocks, each beside a block of the model alone in its own
+           process (loadtest/bench/model_floor.py) with the sidecar's default settings (its
+           variant, ORT threads as it chooses them at load, exact lengths, no spinning) at the
+           same rate, its CPU from that process's getrusage (ABBA order): this host's speed
+           drifts by ±15 % over minutes, more than the 1 ms the sidecar may add, so each row is
+           judged against the model blocks of its own minutes ("model beside it"), not model rows
+           measured minutes before
   beside   the same run while the neighbour (loadtest/bench/search_node.py: one thread of tantivy + FAISS
            queries over the grocery catalog, like a search engine's core) runs; its queries/s
            against its queries/s alone (measured before the first and after the last configuration)
@@ -19,10 +22,12 @@ Configurations (--configs, in this order by default; every embedded one states a
 shell's EMBEDCAR_* variables do not leak into them; the levers that lost, and their configurations,
 are gone: their figures are in docs/benchmarks.md, and a report of them still renders):
 
-  model-1t, model-2t  the model alone in this process (no server): tokenize, pad to the exact
-                      length, ORT on 1 / all threads without spinning, pool; its CPU per query
-                      from getrusage. The reference of the verdicts: its lowest CPU per query, and
-                      the latency of the one with the lower P50 (the model's best thread setting)
+  model-1t, model-2t  the model alone in its own process (loadtest/bench/model_floor.py: no server,
+                      no event loop, the same open-loop schedule kept there): tokenize, pad to the
+                      exact length, ORT on 1 / all threads without spinning, pool; its CPU per
+                      query from that process's getrusage. With --pairs 0, the reference of the
+                      verdicts: their lowest CPU per query, and the latency of the one with the
+                      lower P50 (the model's best thread setting)
   default             the sidecar as shipped (model settings' defaults; its ORT threads chosen at load)
   every-core          + model.intra_op_threads=<cores>: every pass on every core, not chosen
   event-engine        + GRPC_EXPERIMENTS="" (gRPC's own default I/O: sockets on EventEngine threads,
@@ -58,7 +63,6 @@ import datetime as dt
 import json
 import logging
 import os
-import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -71,6 +75,7 @@ from inference.errors import EmbedcarError, InvalidInput
 from inference.files import atomic_write_text
 from inference.grpc_io import EXPERIMENTS, POLLING_IO
 from inference.settings import ModelSettings, env_name
+from loadtest.bench.model_floor import OK, FloorSpec, ModelFloor
 from loadtest.bench.search_node import Neighbour, NeighbourData, prepare_data
 from loadtest.proc_cpu import CpuMeter
 from loadtest.report import fmt_ms, save_png, summarize
@@ -101,8 +106,8 @@ DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "aio", "every-core", "even
                    "system-malloc", "triton", "triton-aio", "triton-system-malloc")
 STREAMED = {"stream", "stream-aio"}  # configurations whose queries are messages on one open Stream call
 DESCRIPTIONS = {  # the retired configurations' too: their reports still render
-    "model-1t": "the model alone, in-process, 1 thread, exact lengths",
-    "model-2t": "the model alone, in-process, all threads, exact lengths",
+    "model-1t": "the model alone in its own process, 1 thread, exact lengths",
+    "model-2t": "the model alone in its own process, all threads, exact lengths",
     "default": "sidecar, embedded, the defaults",
     "aio": "sidecar, embedded, grpc.aio on the main port",
     "every-core": "sidecar, embedded, ORT on every core (the default before the threads were chosen)",
@@ -183,11 +188,6 @@ def embedded_env(config: str) -> dict[str, str]:
 
 # --- measuring ------------------------------------------------------------------------------------
 
-def _process_cpu_s() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process (ORT's included)
-    return ru.ru_utime + ru.ru_stime
-
-
 @dataclass(slots=True)
 class Tally:
     """One window's raw figures (blocks of a window add up): latencies of the answered, CPU seconds."""
@@ -231,28 +231,20 @@ class Tally:
         }
 
 
-def model_tally(embed: Callable[[str], object], texts: Sequence[str], rate: float) -> Tally:
-    """`embed` each text at its scheduled time (open loop, one at a time) -> latency and this process's CPU."""
-    out = Tally(requests=len(texts))
-    cpu0 = _process_cpu_s()
-    start = time.perf_counter() + 0.01
-    for i, text in enumerate(texts):
-        due = start + i / rate
-        if (wait := due - time.perf_counter()) > 0:
-            time.sleep(wait)
-        try:
-            embed(text)
-        except EmbedcarError:
-            out.errors += 1
-            continue
-        out.lat_ms.append((time.perf_counter() - due) * 1e3)
-    out.cpu_s = _process_cpu_s() - cpu0
-    out.wall_s = time.perf_counter() - start
-    return out
+def model_tally(floor: ModelFloor, texts: Sequence[str], rate: float, deadline_s: float = 1.0) -> Tally:
+    """`texts` one at a time on a constant-rate schedule kept by the floor's own process -> latency and
+    that process's CPU (the bench's own never counts)."""
+    block = floor.at_rate([[t] for t in texts], rate, deadline_s=deadline_s)
+    lat = block.ok_latencies_ms()
+    errors: dict[str, int] = {}
+    for code in block.codes:
+        if code != OK:
+            errors[code] = errors.get(code, 0) + 1
+    return Tally(lat, len(texts) - len(lat), len(texts), block.cpu_s, block.wall_s, errors_by_code=errors)
 
 
-def model_run(embed: Callable[[str], object], texts: Sequence[str], rate: float) -> Record:
-    return model_tally(embed, texts, rate).figures()
+def model_run(floor: ModelFloor, texts: Sequence[str], rate: float, deadline_s: float = 1.0) -> Record:
+    return model_tally(floor, texts, rate, deadline_s).figures()
 
 
 class Window:
@@ -282,43 +274,22 @@ def neighbour_alone(neighbour: Neighbour, seconds: float) -> float:
     return w.qps
 
 
-class InProcessModel:
-    """The model alone in this process: tokenize, pad to the exact length, ORT without spinning, pool."""
-
-    def __init__(self, settings: Settings, threads: int) -> None:
-        from inference.backends.onnx import OnnxBackend
-        from inference.embedder import load_tokenizer
-        from inference.manifest import load_manifest
-
-        m = settings.model
-        manifest = load_manifest(m.model_dir)
-        self.tokenizer = load_tokenizer(m.model_dir, manifest)
-        self.backend = OnnxBackend(m.model_dir, manifest, variant=m.variant, threads=threads)
-        self.backend.warm_up()
-        self.threads = self.backend.threads
-
-    def embed(self, text: str) -> object:
-        return self.backend.embed_sync(self.tokenizer.batch(self.tokenizer.encode([text]).ids))
-
-    def close(self) -> None:
-        asyncio.run(self.backend.close())
-
-
 def measure_model(settings: Settings, cfg: NeighbourConfig, name: str, next_texts: Callable[[int], list[str]],
                   neighbour: Neighbour | None) -> Record:
-    model = InProcessModel(settings, MODEL[name])
+    m = settings.model
+    spec = FloorSpec(m.model_dir, variant=m.variant, threads=MODEL[name], max_batch=m.max_texts_per_call)
     n = int(cfg.rate * cfg.duration_s)
-    try:
-        model_run(model.embed, next_texts(int(cfg.rate * cfg.warmup_s) or 1), cfg.rate)
-        quiet = model_run(model.embed, next_texts(n), cfg.rate)
+    deadline_s = cfg.deadline_ms / 1e3
+    with ModelFloor(spec) as model:
+        model_run(model, next_texts(int(cfg.rate * cfg.warmup_s) or 1), cfg.rate, deadline_s)
+        quiet = model_run(model, next_texts(n), cfg.rate, deadline_s)
         beside: Record | None = None
         if neighbour is not None:
             with Window(neighbour, True) as w:
-                beside = model_run(model.embed, next_texts(n), cfg.rate)
+                beside = model_run(model, next_texts(n), cfg.rate, deadline_s)
             beside["neighbour_qps"] = w.qps
-    finally:
-        model.close()
-    return {"config": name, "kind": "model", "threads": model.threads, "quiet": quiet, "beside": beside}
+    return {"config": name, "kind": "model", "threads": model.threads, "pid": model.pid, "quiet": quiet,
+            "beside": beside}
 
 
 async def _load(target: Any, texts: list[str], cfg: RunConfig, meter: CpuMeter) -> Tally:
@@ -332,8 +303,9 @@ async def _load(target: Any, texts: list[str], cfg: RunConfig, meter: CpuMeter) 
 
 
 async def paired_windows(target: Any, next_texts: Callable[[int], list[str]], cfg: NeighbourConfig,
-                         meter: CpuMeter, model: InProcessModel | None) -> tuple[Tally, Tally | None]:
-    """The quiet window in `cfg.pairs` blocks, each beside a block of the model alone at the same rate,
+                         meter: CpuMeter, model: ModelFloor | None) -> tuple[Tally, Tally | None]:
+    """The quiet window in `cfg.pairs` blocks, each beside a block of the model alone in its own process at
+    the same rate,
     in ABBA order (model, sidecar, sidecar, model, ...): the host's drift over minutes (±15 % here)
     falls on both alike, so the sidecar's cost over the model is read from blocks minutes apart at most."""
     blocks = max(1, cfg.pairs if model is not None else 1)
@@ -345,12 +317,12 @@ async def paired_windows(target: Any, next_texts: Callable[[int], list[str]], cf
             if step == "sidecar":
                 sidecar.add(await _load(target, next_texts(n), run, meter))
             elif model is not None and alone is not None:
-                alone.add(await asyncio.to_thread(model_tally, model.embed, next_texts(n), cfg.rate))
+                alone.add(await asyncio.to_thread(model_tally, model, next_texts(n), cfg.rate, cfg.deadline_ms / 1e3))
     return sidecar, alone
 
 
 def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_texts: Callable[[int], list[str]],
-                    neighbour: Neighbour | None, model: InProcessModel | None = None) -> Record:
+                    neighbour: Neighbour | None, model: ModelFloor | None = None) -> Record:
     from loadtest.native import sender_for
     from loadtest.stack import SidecarProcess
     from loadtest.targets import SidecarEmbedTarget, SidecarStreamTarget
@@ -401,7 +373,7 @@ def measure_sidecar(settings: Settings, cfg: NeighbourConfig, name: str, next_te
                                                     model if rec["kind"] == "embedded" else None)
                 rec["quiet"] = quiet.figures()
                 if alone is not None and model is not None:
-                    rec["model_paired"] = alone.figures() | {"threads": model.threads}
+                    rec["model_paired"] = alone.figures() | {"threads": model.threads, "pid": model.pid}
                 rec["beside"] = None
                 if neighbour is not None:
                     with Window(neighbour, True) as w:
@@ -514,9 +486,12 @@ def markdown(result: Record) -> str:
         f"{cfg.get('warmup_s', 0):g} s of "
         "warm-up. CPU per query: utime + stime of every thread of the sidecar (and its children) from /proc over "
         "the window, per request sent; cores = that CPU over the window. "
+        + "Model rows and blocks: the model alone in its own process (no server, no event loop; it keeps the "
+        "same open-loop schedule itself), their CPU per query from that process's getrusage. "
         + (f"Each sidecar row's quiet window ran in {cfg.get('pairs')} blocks interleaved with blocks of the model "
-           "alone (in this process, ABBA order): its verdicts compare it with those blocks (\"model beside it\"), "
-           "not with model rows measured minutes apart on a host that drifts. " if cfg.get("pairs") else "")
+           "alone (the sidecar's default settings, ABBA order): its verdicts compare it with those blocks "
+           "(\"model beside it\"), not with model rows measured minutes apart on a host that drifts. "
+           if cfg.get("pairs") else "")
         + "Beside: the same load while the "
         "neighbour (one thread of tantivy + FAISS queries over the grocery catalog) runs.",
         "",
@@ -631,11 +606,11 @@ def write_reports(result: Record, out_dir: Path) -> dict[str, Path]:
 
 # --- the whole bench ------------------------------------------------------------------------------
 
-def paired_model(settings: Settings, result: Record) -> InProcessModel:
-    """The model the sidecar rows are paired with: on the thread setting of the model rows' lower P50
-    where they ran first (the model's best), else one thread (what the sidecar chooses on a small host)."""
-    ref = reference(result)
-    return InProcessModel(settings, MODEL.get(ref.get("latency_from", ""), 1))
+def paired_model(settings: Settings) -> ModelFloor:
+    """The model the sidecar rows are paired with, in its own process: the embedded backend as the
+    `default` row's sidecar builds it (its threads lever as that row states it, chosen at load)."""
+    spec = FloorSpec.served(settings.model)
+    return ModelFloor(dataclasses.replace(spec, threads=ModelSettings().intra_op_threads)).start()
 
 
 def run_neighbour(settings: Settings, cfg: NeighbourConfig, *, out_dir: Path,
@@ -665,7 +640,7 @@ def run_neighbour(settings: Settings, cfg: NeighbourConfig, *, out_dir: Path,
             neighbour_alone(neighbour, min(2.0, cfg.duration_s))  # caches and page faults out of the way
             result["neighbour_alone"].append(neighbour_alone(neighbour, cfg.duration_s))
             log.info("neighbour alone: %.0f queries/s", result["neighbour_alone"][-1])
-        paired: InProcessModel | None = None  # the model beside each sidecar row's blocks, loaded once
+        paired: ModelFloor | None = None  # the model beside each sidecar row's blocks, loaded once
         for name in cfg.configs:
             log.info("measuring %s", name)
             try:
@@ -673,7 +648,7 @@ def run_neighbour(settings: Settings, cfg: NeighbourConfig, *, out_dir: Path,
                     row = measure_model(settings, cfg, name, mix.take, neighbour)
                 else:
                     if paired is None and cfg.pairs:
-                        paired = paired_model(settings, result)
+                        paired = paired_model(settings)
                         stack.callback(paired.close)
                     row = measure_sidecar(settings, cfg, name, mix.take, neighbour, paired)
             except EmbedcarError as exc:

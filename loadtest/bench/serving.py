@@ -3,7 +3,9 @@
 Contenders, per ONNX variant (`--variants`, default fp32,int8), all open loop at batch 1 on short
 shopper queries that never repeat (QueryMix unique=True: no cache hit anywhere):
 
-  floor     the model in this process (tokenize + ORT forward + pool, no server): InProcessTarget
+  floor     the model alone in its own process with the sidecar's settings (its variant, ORT threads
+            as the sidecar chooses them, exact-length padding, no spinning): tokenize + forward +
+            pool, no server, keeping the same open-loop schedule itself (loadtest/bench/model_floor.py)
   grpc      the sidecar's gRPC Embed, embedded backend (SidecarProcess backend=embedded)
   stream    the same sidecar process's Embed as messages on one open gRPC Stream call
   grpc-native, stream-native
@@ -72,13 +74,14 @@ from inference.errors import EmbedcarError, InvalidInput
 from inference.files import atomic_write_text
 from inference.manifest import Manifest, load_manifest
 from inference.tokenizer import QueryTokenizer
+from loadtest.bench.model_floor import FloorTarget
 from loadtest.infinity import DEFAULT_EXE, InfinityServer, infinity_unavailable_reason
 from loadtest.native import NativeTarget, native_unavailable_reason
 from loadtest.queries import QueryMix
 from loadtest.report import Summary, fmt_ms, save_png, summarize
 from loadtest.runner import RunConfig, run_load
 from loadtest.sweep import parse_sweep
-from loadtest.targets import HttpEmbedTarget, InProcessTarget, SidecarEmbedTarget, SidecarStreamTarget, Target
+from loadtest.targets import HttpEmbedTarget, SidecarEmbedTarget, SidecarStreamTarget, Target
 from sidecar.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -353,7 +356,7 @@ def start_contenders(settings: Settings, cfg: ServingConfig, variant: str,
         out.append(c)
         try:
             if kind == "floor":
-                c.target = InProcessTarget.for_model(settings.model, variant)
+                c.target = FloorTarget.for_model(settings.model, variant)
             elif kind in SIDECAR_KINDS:
                 if sidecar is None:
                     from loadtest.stack import SidecarProcess
@@ -564,6 +567,17 @@ def _fmt_ratio(x: float | None, fmt: str) -> str:
     return "–" if x is None else format(x, fmt)
 
 
+def _floor_facts(result: Record) -> str:
+    """The floors' ORT threads and CPU per query (their child's getrusage), from the fixed-rate runs."""
+    facts = []
+    for r in result.get("runs", {}).values():
+        targets = [x["summary"]["target"] for x in r.get("fixed", []) if "summary" in x]
+        cpu = _median([t.get("cpu_ms_per_query") for t in targets])
+        if r.get("target") == "floor" and cpu is not None:
+            facts.append(f"{r['variant']} {targets[0].get('threads', '?')} thread(s), {cpu:.2f} ms CPU per query")
+    return "; " + ", ".join(facts) if facts else ""
+
+
 def serving_markdown(result: Record) -> str:
     cfg = result.get("config", {})
     sla = float(cfg.get("sla_ms", 20.0))
@@ -588,6 +602,11 @@ def serving_markdown(result: Record) -> str:
         f"(no cache hits); {cfg.get('rounds', 1)} round(s) of {cfg.get('duration_s', 0):g} s "
         f"(+{cfg.get('warmup_s', 0):g} s warm-up) per target, alternating order, fresh queries every run; "
         "P50/P95/P99 are medians over rounds, errors the sum. Latency from each request's scheduled send time.",
+        "",
+        "Floor: the model alone in its own process, with the sidecar's settings (its variant, ORT threads as it "
+        "chooses them, padding to the exact length, no spinning) and nothing else in that process: no server, no "
+        "event loop; it keeps the same open-loop schedule itself and times each query from its scheduled time"
+        + _floor_facts(result) + ".",
         "",
     ]
     if rates:
