@@ -140,7 +140,6 @@ def _serve_args(settings: Settings, *args: str) -> list[str]:
 @pytest.mark.parametrize("flags", [
     ("--grpc-server", "compiled", "--grpc-port", "{busy}", "--http-port", "-1"),
     ("--grpc-server", "aio", "--grpc-port", "{busy}", "--http-port", "-1"),
-    ("--grpc-server", "aio", "--grpc-port", "0", "--native-grpc-port", "{busy}", "--http-port", "-1"),
     ("--grpc-port", "0", "--http-port", "{busy}"),
 ])
 def test_a_port_in_use_is_one_line_naming_its_flag_and_port(settings: Settings, busy_port: int,
