@@ -54,6 +54,11 @@ def register_model(sub: Any) -> None:
     prep.add_argument("--document-prompt-name", default=None, metavar="NAME",
                       help="prompt put before each catalog document; '' for none (default: 'document' or "
                            "'passage' if the model has one)")
+    prep.add_argument("--torch-only", action="store_true",
+                      help="no ONNX: keep the PyTorch weights and tokenizer, record the precisions torch computes "
+                           "(fp32, fp16, bf16; fp32 checked against sentence-transformers on the CPU), for "
+                           "sidecar.backend=torch and Triton's torch encoder only (e.g. an architecture whose ONNX "
+                           "export fails); the embedded backend and Triton's ONNX/TensorRT encoders refuse it")
     prep.set_defaults(func=_prepare)
     back = msub.add_parser("rollback", help="put the previous version of --model back in place (running sidecars "
                                               "switch to it with its index)")
@@ -78,7 +83,8 @@ def register_model(sub: Any) -> None:
 def _prepare(args: argparse.Namespace) -> int:
     s = settings_from_args(args).model
     prepare_model(s.models_dir, s.name, force=args.force, from_dir=args.from_dir, pooling=args.pooling,
-                  query_prompt=args.query_prompt_name, document_prompt=args.document_prompt_name)
+                  query_prompt=args.query_prompt_name, document_prompt=args.document_prompt_name,
+                  torch_only=args.torch_only)
     return 0
 
 

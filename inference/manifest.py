@@ -25,9 +25,11 @@ WEIGHTS_DIR = "weights"  # the PyTorch folder kept inside a prepared model direc
 class Variant:
     file: str
     sha256: str
-    precision: str  # fp32 | fp16 | int8
+    precision: str  # fp32 | fp16 | int8 | bf16
     fused: bool
     check: dict[str, float] = field(default_factory=dict)  # agreement with PyTorch at export
+    # A torch-only model's variants (Manifest.torch_only) are precisions torch computes from the one
+    # PyTorch folder: `file` is that folder (weights/), `sha256` its tree_sha256.
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,10 @@ class Manifest:
     # ONNX folder, or a model prepared before weights were kept). Not in the version id: the source
     # checksum already covers the same weights.
     weights: str = ""
+    # Prepared for torch only (`model prepare --torch-only`): no ONNX variant, the variants are the
+    # precisions torch computes from `weights`; the embedded backend and Triton's ONNX/TensorRT
+    # encoders refuse it (`onnx_refusal`).
+    torch_only: bool = False
 
     def with_version(self) -> Self:
         return type(self)(**{**_fields(self), "version_id": self.compute_version_id()})
@@ -86,6 +92,7 @@ class Manifest:
             str(self.max_length),
             *(f"{k}:{v.sha256}" for k, v in sorted(self.variants.items())),
             *self._head_parts(),
+            *(["torch-only"] if self.torch_only else []),  # absent otherwise: older ids stay as they were
         ):
             h.update(part.encode())
             h.update(b"\0")
@@ -133,6 +140,14 @@ class Manifest:
         path = model_dir / rel if rel else None
         return path if path is not None and (path / "config.json").is_file() else None
 
+    def onnx_refusal(self, consumer: str) -> str:
+        """One line for `consumer`, which runs ONNX, meeting a torch-only model: what it is and how to
+        prepare it fully."""
+        src = self.source.get("folder", "") if self.source.get("requirement") == "local" else ""
+        again = f"embedcar model prepare --force --model {self.name}" + (f" --from {src}" if src else "")
+        return (f"model {self.name} was prepared for torch only (no ONNX variants), which {consumer} needs: "
+                f"prepare it fully with `{again}` (without --torch-only), or serve it with sidecar.backend=torch")
+
     @property
     def has_token_type_ids(self) -> bool:
         return "token_type_ids" in self.inputs
@@ -171,15 +186,27 @@ def load_manifest(model_dir: Path) -> Manifest:
         raise ModelError(f"{path} is not a valid manifest: {exc}") from exc
 
 
+def tree_sha256(folder: Path) -> str:
+    """A checksum of every file under `folder`, with their relative paths."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(path.relative_to(folder).as_posix().encode())
+        h.update(bytes.fromhex(sha256_file(path)))
+    return h.hexdigest()
+
+
 def verify_files(model_dir: Path, manifest: Manifest) -> list[str]:
     """Problems found comparing the files on disk with their manifest checksums (empty = fine)."""
     problems = []
     tok = model_dir / "tokenizer.json"
     if not tok.exists() or sha256_file(tok) != manifest.tokenizer_sha256:
         problems.append("tokenizer.json missing or changed")
+    digests: dict[str, str] = {}  # a torch-only model's variants share one folder: hashed once
     for key, v in manifest.variants.items():
         p = model_dir / v.file
-        if not p.exists() or sha256_file(p) != v.sha256:
+        if v.file not in digests:
+            digests[v.file] = tree_sha256(p) if p.is_dir() else sha256_file(p) if p.exists() else ""
+        if digests[v.file] != v.sha256:
             problems.append(f"variant {key} ({v.file}) missing or changed")
     if manifest.dense_file:
         dense = model_dir / manifest.dense_file

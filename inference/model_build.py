@@ -11,6 +11,9 @@ checked for batch independence (each text alone vs in mixed batches padded to ot
 is left out when a text's vector moves with its batch-mates. An ONNX folder is checked the same way
 against its own graph (there is no PyTorch model to compare with). The checks themselves:
 inference/model_checks.py.
+
+`build_torch_dir` (`model prepare --torch-only`) exports nothing: its variants are the precisions the
+torch backend computes from the kept PyTorch folder, each checked the same way on the torch encoder.
 """
 
 from __future__ import annotations
@@ -27,17 +30,26 @@ import numpy as np
 
 from inference import export, runtimes
 from inference.buckets import buckets_for_max_length
-from inference.errors import ModelError
+from inference.errors import EmbedcarError, ModelError
 from inference.files import sha256_file
 from inference.head import Dense, Head, save_dense
-from inference.manifest import Manifest, Variant
-from inference.model_checks import Checker, PrepTokenizer, calibration_feeds, describe, write_golden
+from inference.manifest import WEIGHTS_DIR, Manifest, Variant, tree_sha256
+from inference.model_checks import (
+    Checker,
+    PrepTokenizer,
+    calibration_feeds,
+    describe,
+    references,
+    torch_figures,
+    write_golden,
+)
 from inference.model_folder import WEIGHT_FILES, DenseSpec, ModelFolder, read_model_folder
 
 ROLES = ("query", "document")
 DENSE_FILE = "dense.npz"
 Say = Callable[[str], None]
 Figures = Callable[[Path, str], dict[str, float]]  # a variant's file and precision -> its check figures
+TORCH_PRECISIONS = ("fp32", "fp16", "bf16")  # what the torch backend computes (inference/backends/torch.py)
 
 
 def prompt_length(tokenizer_file: Path, prompt: str, special_ids: set[int]) -> int:
@@ -98,12 +110,58 @@ def build_model_dir(src: Path, out: Path, *, name: str, source: dict[str, str] |
     return manifest
 
 
+def build_torch_dir(weights: Path, out: Path, *, name: str, source: dict[str, str], folder: ModelFolder,
+                    say: Say = print) -> Manifest:
+    """A torch-only model directory in `out` (a staging folder whose PyTorch folder `weights` is already
+    in place, read as `folder`): the tokenizer, the head and a manifest whose variants are the precisions
+    torch computes from the weights, no ONNX. Each is checked as the ONNX variants are (the torch encoder
+    on the CPU against the reference): fp32 or the model is refused; fp16 and bf16 left out where they miss."""
+    if folder.kind != "hf":
+        raise ModelError(f"{folder.path}: an ONNX folder has no PyTorch weights for the torch backend: prepare it "
+                         "without --torch-only")
+    tokenizer_file = _copy_inputs(weights, out, folder, say)
+    model = export.load_torch_model(weights, folder.model_type)
+    max_len = folder.max_seq_length or export.default_max_length(model)
+    parts = _parts(folder, tokenizer_file, model, export.model_inputs(model), int(model.config.hidden_size), max_len)
+    # `raw` (Path()): read only for an ONNX folder
+    refs, ref_name = references(weights, folder, model, Path(), parts.tok, parts.head, export.CHECK_TEXTS,
+                                parts.inputs, say)
+    parts.model = model = None  # the checks load the weights as the torch backend does
+    built = _Built()
+    digest = tree_sha256(weights)
+    built.files = {p: (weights, p, False) for p in TORCH_PRECISIONS}
+    built.checks = {p: {} for p in TORCH_PRECISIONS}
+    _manifest(name, weights, source, folder, out, parts, built, torch_digest=digest).save(out)  # what they load
+    for precision in TORCH_PRECISIONS:
+        try:
+            got = torch_figures(out, precision, parts.tok, refs)
+        except EmbedcarError as exc:  # e.g. a non-finite embedding
+            if precision == "fp32":
+                raise
+            say(f"{precision} (torch) refused: {exc}")
+            got = {"min_cos": float("nan")}
+        if export.passes(precision, got):
+            built.checks[precision] = got
+            say(f"{precision} (torch): {describe(got)} vs {ref_name}")
+            continue
+        if precision == "fp32":
+            raise ModelError(f"{folder.path}: the torch encoder in fp32 disagrees with {ref_name} ({describe(got)}; "
+                             f"needs min cos >= {export.MIN_COS['fp32']}): refusing the model")
+        del built.files[precision], built.checks[precision]
+        built.refused[precision] = got
+        say(f"{precision} (torch) refused: {describe(got)} vs {ref_name}, needs min cos >= "
+            f"{export.MIN_COS[precision]}")
+    manifest = _manifest(name, weights, source, folder, out, parts, built, torch_digest=digest)
+    manifest.save(out)
+    return manifest
+
+
 @dataclass(slots=True)
-class _Encoder:
-    """The exported (or adopted) encoder graph and what every later stage reads about it."""
+class _Parts:
+    """What the manifest and the checks read about the encoder, whatever runs it."""
 
     model: Any  # the PyTorch model; None for an adopted ONNX graph (nothing to compare with)
-    raw: export.ExportedGraph
+    inputs: tuple[str, ...]
     width: int  # the encoder's hidden size
     max_len: int
     dense: tuple[Dense, ...]
@@ -113,12 +171,15 @@ class _Encoder:
     special: tuple[int, ...]
 
     @property
-    def inputs(self) -> tuple[str, ...]:
-        return self.raw.inputs
-
-    @property
     def dim(self) -> int:
         return self.dense[-1].weight.shape[0] if self.dense else self.width
+
+
+@dataclass(slots=True)
+class _Encoder(_Parts):
+    """The exported (or adopted) encoder graph, with its parts."""
+
+    raw: export.ExportedGraph = field(kw_only=True)
 
 
 @dataclass(slots=True)
@@ -144,11 +205,23 @@ def _copy_inputs(src: Path, out: Path, folder: ModelFolder, say: Say) -> Path:
     return tokenizer_file
 
 
-def _export(src: Path, out: Path, folder: ModelFolder, tokenizer_file: Path, say: Say) -> _Encoder:
-    """ONNX from PyTorch (a Hugging Face folder) or the folder's own graph, with the model's head."""
+def _parts(folder: ModelFolder, tokenizer_file: Path, model: Any, inputs: tuple[str, ...], width: int,
+           max_len: int) -> _Parts:
+    """The model's head and served tokenizer around an encoder of `width` taking `inputs`."""
     lowercase, special = _tokenizer_facts(tokenizer_file)
     lengths = {role: prompt_length(tokenizer_file, p, set(special)) for role, p in folder.prompts.items()}
     dense = tuple(_load_dense(d) for d in folder.dense)
+    if dense and dense[0].weight.shape[1] != width:
+        raise ModelError(f"{folder.dense[0].folder}: in_features {dense[0].weight.shape[1]} != the encoder's hidden "
+                         f"size {width}")
+    head = Head(folder.pooling, special, dense, folder.normalize)
+    tok = PrepTokenizer(tokenizer_file, max_len, export.pad_id(tokenizer_file), "token_type_ids" in inputs,
+                        folder.prompts, lengths, folder.include_prompt)
+    return _Parts(model, inputs, width, max_len, dense, head, tok, lowercase, special)
+
+
+def _export(src: Path, out: Path, folder: ModelFolder, tokenizer_file: Path, say: Say) -> _Encoder:
+    """ONNX from PyTorch (a Hugging Face folder) or the folder's own graph, with the model's head."""
     model: Any = None
     if folder.kind == "hf":
         model = export.load_torch_model(src, folder.model_type)
@@ -165,13 +238,8 @@ def _export(src: Path, out: Path, folder: ModelFolder, tokenizer_file: Path, say
         raw = export.ExportedGraph(raw_path, inputs, heads, width if heads else 0, folder.model_type)
         max_len = folder.max_seq_length or 512
         say(f"adopted {folder.onnx_file.name}: inputs {', '.join(inputs)}, hidden size {width}, max length {max_len}")
-    if dense and dense[0].weight.shape[1] != width:
-        raise ModelError(f"{folder.dense[0].folder}: in_features {dense[0].weight.shape[1]} != the encoder's hidden "
-                         f"size {width}")
-    head = Head(folder.pooling, special, dense, folder.normalize)
-    tok = PrepTokenizer(tokenizer_file, max_len, export.pad_id(tokenizer_file), "token_type_ids" in raw.inputs,
-               folder.prompts, lengths, folder.include_prompt)
-    return _Encoder(model, raw, width, max_len, dense, head, tok, lowercase, special)
+    p = _parts(folder, tokenizer_file, model, raw.inputs, width, max_len)
+    return _Encoder(p.model, p.inputs, p.width, p.max_len, p.dense, p.head, p.tok, p.lowercase, p.special, raw=raw)
 
 
 def _fp32_variant(src: Path, out: Path, enc: _Encoder, checker: Checker, built: _Built, say: Say) -> None:
@@ -238,8 +306,11 @@ def _add_bf16(out: Path, enc: _Encoder, checker: Checker, built: _Built, say: Sa
         built.files["bf16"] = (bf16_file, "bf16", bf16_file == fp32 and built.fused)
 
 
-def _default_variant(built: _Built) -> tuple[str, str]:
+def _default_variant(built: _Built, torch_only: bool) -> tuple[str, str]:
     """int8 where it passed (about half fp32's latency), else fp32; and why."""
+    if torch_only:
+        return "fp32", "prepared for torch only: fp32, the exact model (the torch backend computes fp16 on a GPU " \
+                       "where model.variant is empty)"
     if "int8" not in built.files:
         return "fp32", "int8 refused: fp32, the exact model"
     got = built.checks["int8"]
@@ -248,13 +319,14 @@ def _default_variant(built: _Built) -> tuple[str, str]:
 
 
 def _manifest(name: str, src: Path, source: dict[str, str] | None, folder: ModelFolder, out: Path,
-              enc: _Encoder, built: _Built) -> Manifest:
-    """The manifest of what was built (the Dense layers written beside it), with its version id."""
+              enc: _Parts, built: _Built, *, torch_digest: str = "") -> Manifest:
+    """The manifest of what was built (the Dense layers written beside it), with its version id.
+    `torch_digest`: a torch-only model's, the tree_sha256 of its weights/ (`src`), every variant's file."""
     dense_file = dense_sha = ""
     if enc.dense:
         save_dense(out / DENSE_FILE, enc.dense)
         dense_file, dense_sha = DENSE_FILE, sha256_file(out / DENSE_FILE)
-    default, reason = _default_variant(built)
+    default, reason = _default_variant(built, bool(torch_digest))
     weights = next((src / w for w in WEIGHT_FILES if (src / w).exists()), folder.onnx_file)
     return Manifest(
         name=name,
@@ -270,7 +342,7 @@ def _manifest(name: str, src: Path, source: dict[str, str] | None, folder: Model
         special_ids=enc.special,
         pad_id=enc.tok.pad_id,
         tokenizer_sha256=sha256_file(enc.tok.file),
-        variants={k: Variant(p.name, sha256_file(p), prec, fz, built.checks[k])
+        variants={k: Variant(p.name, torch_digest or sha256_file(p), prec, fz, built.checks[k])
                   for k, (p, prec, fz) in built.files.items()},
         default_variant=default,
         created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -285,6 +357,8 @@ def _manifest(name: str, src: Path, source: dict[str, str] | None, folder: Model
         similarity=folder.similarity,
         refused=built.refused,
         default_reason=reason,
+        weights=WEIGHTS_DIR if torch_digest else "",
+        torch_only=bool(torch_digest),
     ).with_version()
 
 

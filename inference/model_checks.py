@@ -159,6 +159,26 @@ def references(src: Path, folder: ModelFolder, model: Any, raw: Path, tok: PrepT
     return refs, "PyTorch"
 
 
+def torch_figures(model_dir: Path, precision: str, tok: PrepTokenizer, refs: dict[str, Any],
+                  texts: tuple[str, ...] = export.CHECK_TEXTS) -> dict[str, float]:
+    """A torch-only model's check: the torch encoder (inference/torch_encoder.py, what the torch backend
+    runs) on the CPU in `precision`, fed by the served tokenizer per role, against `refs` (`references`).
+    `model_dir` holds the manifest and weights/ already."""
+    import torch
+
+    from inference.torch_encoder import load_encoder
+
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    enc = load_encoder(model_dir, device="cpu", dtype=dtypes[precision])
+    cos = []
+    for role, ref in refs.items():
+        qt = tok.for_role(role)
+        batch = qt.batch(qt.encode(list(texts)).ids)
+        got = enc.encode(batch.input_ids, batch.attention_mask, batch.token_type_ids, skip=batch.pool_skip)
+        cos.append(float(export.cosines(got, ref).min()))
+    return {"min_cos": min(cos)}
+
+
 def describe(figures: dict[str, float]) -> str:
     parts = []
     if "max_abs_diff" in figures:

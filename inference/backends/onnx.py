@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from inference.backends.base import Backend, Embeddings
-from inference.errors import Internal, InvalidInput
+from inference.errors import FailedPrecondition, Internal, InvalidInput
 from inference.head import Head
 from inference.manifest import Manifest
 from inference.padding import trim
@@ -44,6 +44,8 @@ class OnnxBackend(Backend):
         Each pass is padded only to its longest sequence (inference.padding.trim): padding a short
         query to its bucket cost 25-35 % of a CPU pass for the same embeddings (docs/benchmarks.md).
         """
+        if manifest.torch_only:
+            raise FailedPrecondition(manifest.onnx_refusal("the embedded backend"))
         self.manifest = manifest
         self.variant_name = variant or manifest.default_variant
         self._path = model_dir / manifest.variant(self.variant_name).file

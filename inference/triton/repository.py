@@ -329,6 +329,8 @@ def _model_configs(settings: Settings, m: RepoModel, target: str, sys_path: list
 
 
 def _check_servable(m: RepoModel, kind: str, target: str) -> None:
+    if m.manifest.torch_only and kind != "torch":
+        raise ModelError(m.manifest.onnx_refusal(f"Triton's {kind} encoder"))
     precision = m.manifest.variant(m.variant).precision  # also fails on an unknown variant
     if kind == "torch":
         allowed = TORCH_CPU_PRECISIONS if target == "cpu" else tuple(TORCH_DTYPES)

@@ -12,11 +12,11 @@ MiniLM's config and tokenizer) and the check, run there as `python3 -m loadtest.
 4. per model, the bundled MiniLM's shape and a ModernBERT-base-sized one (transformers' defaults),
    both with random weights made in a temporary folder there (latency does not depend on the
    weights; MiniLM's real weights are 45 MiB even in fp16 and do not fit the 64 MiB), prepared by
-   the product's own `model prepare`, measures open loop at batch 1 on the load test's query stream
-   (loadtest/queries.py, every query distinct): the torch floor, the model alone in its own process
-   keeping the schedule itself (loadtest/bench/model_floor.py; fp16, with and without CUDA
-   graphs), the sidecar on the embedded torch backend, and the sidecar on the Triton GPU ensemble
-   with the torch encoder (4 instances);
+   the product's own `model prepare --torch-only` (no ONNX), measures open loop at batch 1 on the
+   load test's query stream (loadtest/queries.py, every query distinct): the torch floor, the model
+   alone in its own process keeping the schedule itself (loadtest/bench/model_floor.py; fp16, with
+   and without CUDA graphs), the sidecar on the embedded torch backend, and the sidecar on the
+   Triton GPU ensemble with the torch encoder (4 instances);
 5. writes one Markdown report, gpu.md, into --out.
 
 It ends within --budget seconds (default 450, under the 8 minutes a device call is planned for):
@@ -390,13 +390,14 @@ def make_model_folder(kind: str, bundle: Path, dest: Path) -> Path:
 
 
 def prepare(kind: str, bundle: Path, models_dir: Path) -> None:
-    """The child step: make `kind`'s folder and prepare it as `model prepare --from` does (its PyTorch
-    folder kept as weights/, what the torch backend and encoder load)."""
+    """The child step: make `kind`'s folder and prepare it as `model prepare --from --torch-only` does (its
+    PyTorch folder kept as weights/, what the torch backend and encoder load): every row runs torch, and
+    the ONNX export would fail ModernBERT on the image's transformers 5.x for no reason of the torch path."""
     from inference.prepare import prepare_model
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_model_folder(kind, bundle, Path(tmp) / kind)
-        prepare_model(models_dir, kind, force=True, from_dir=folder)
+        prepare_model(models_dir, kind, force=True, from_dir=folder, torch_only=True)
 
 
 # --- measuring ----------------------------------------------------------------------------------
