@@ -49,3 +49,19 @@ def int_param(request: Any, name: str) -> int:
         return 0
     value = json.loads(raw).get(name)
     return value if isinstance(value, int) else 0
+
+
+def id_feed(request: Any, names: list[str]) -> dict[str, npt.NDArray[np.int64]]:
+    """The request's id tensors among `names` as int64 (an optional one it does not carry left out)."""
+    feed: dict[str, npt.NDArray[np.int64]] = {}
+    for name in names:
+        t = pb_utils.get_input_tensor_by_name(request, name)
+        if t is not None:
+            feed[name] = to_numpy(t).astype(np.int64, copy=False)
+    return feed
+
+
+def expired(request: Any, deadline_param: str, now_ns: int) -> bool:
+    """The request carries its caller's deadline (wall clock, ns) and it has passed."""
+    deadline = int_param(request, deadline_param)
+    return deadline != 0 and now_ns > deadline

@@ -93,21 +93,10 @@ class TritonPythonModel:
         return out
 
     def _feed(self, request: Any) -> dict[str, Any]:
-        feed: dict[str, Any] = {}
-        for name in self.inputs:
-            t = pb_utils.get_input_tensor_by_name(request, name)
-            if t is not None:
-                feed[name] = self.tensors.to_numpy(t).astype(np.int64, copy=False)
+        feed: dict[str, Any] = self.tensors.id_feed(request, self.inputs)
         if "token_type_ids" in self.inputs and "token_type_ids" not in feed:
             feed["token_type_ids"] = np.zeros_like(feed["input_ids"])
         return feed
-
-    def _expired(self, request: Any, now_ns: int) -> bool:
-        raw = request.parameters()  # a JSON object as text; most requests carry no parameters
-        if self.deadline_param not in raw:
-            return False
-        deadline = json.loads(raw).get(self.deadline_param)
-        return isinstance(deadline, int) and now_ns > deadline
 
     def execute(self, requests: list[Any]) -> list[Any]:
         """One ORT run per same-shape group of requests, one response per request."""
@@ -115,7 +104,7 @@ class TritonPythonModel:
         responses: list[Any] = [None] * len(requests)
         now, expired = time.time_ns(), 0
         for i, req in enumerate(requests):
-            if self._expired(req, now):
+            if self.tensors.expired(req, self.deadline_param, now):
                 feeds.append(None)
                 responses[i] = pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(self.expired, pb_utils.TritonError.UNAVAILABLE))

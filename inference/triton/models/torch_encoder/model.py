@@ -63,21 +63,6 @@ class TritonPythonModel:
         self.expired_family, self.expired_count = expired_counter(args["model_name"])
         heap.settle()  # the stub is this model's own process: no full collection pauses its requests
 
-    def _feed(self, request: Any) -> dict[str, Any]:
-        feed: dict[str, Any] = {}
-        for name in self.inputs:
-            t = pb_utils.get_input_tensor_by_name(request, name)
-            if t is not None:
-                feed[name] = self.tensors.to_numpy(t).astype(np.int64, copy=False)
-        return feed
-
-    def _expired(self, request: Any, now_ns: int) -> bool:
-        raw = request.parameters()  # a JSON object as text; most requests carry no parameters
-        if self.deadline_param not in raw:
-            return False
-        deadline = json.loads(raw).get(self.deadline_param)
-        return isinstance(deadline, int) and now_ns > deadline
-
     def execute(self, requests: list[Any]) -> list[Any]:
         """One forward pass per group of requests of one shape and pooling skip, one response per request."""
         responses: list[Any] = [None] * len(requests)
@@ -85,13 +70,13 @@ class TritonPythonModel:
         groups: dict[tuple[int, int], list[int]] = {}
         now, expired = time.time_ns(), 0
         for i, req in enumerate(requests):
-            if self._expired(req, now):
+            if self.tensors.expired(req, self.deadline_param, now):
                 responses[i] = pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(self.expired, pb_utils.TritonError.UNAVAILABLE))
                 expired += 1
                 continue
             try:
-                feeds[i] = self._feed(req)
+                feeds[i] = self.tensors.id_feed(req, self.inputs)
                 key = (feeds[i]["input_ids"].shape[1], self.tensors.int_param(req, self.skip_param))
             except Exception as exc:
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"encoder input: {exc}"))
