@@ -129,6 +129,9 @@ def register(sub: Any) -> None:
                    "hybrid search on the newest index under --index-root (built by `catalog build`)")
     q.add_argument("--cuts", default="25,50,75,100", help="with --prefixes: percentages of the characters kept")
     q.add_argument("--modes", default="semantic,lexical,hybrid", help="with --prefixes: search modes")
+    q.add_argument("--judgements", default=None, metavar="FILE",
+                   help="with --prefixes: also score labelled queries (query + product_id or category per row; "
+                   "'grocery' = the demo catalog's shopper queries labelled by aisle; docs/models.md)")
     q.add_argument("--json", dest="json_out", default=None, help="also write the results here")
     q.set_defaults(func=_quality)
 
@@ -281,7 +284,8 @@ def _prefix_quality(args: argparse.Namespace, settings: Settings) -> int:
     except ValueError as exc:
         raise InvalidInput(f"--cuts takes integer percentages, got {args.cuts!r}") from exc
     result = asyncio.run(evaluate_prefixes(settings, known_items=args.known_items, seed=args.seed, cuts=cuts,
-                                           modes=[parse_mode(m) for m in _list(args.modes)], fusion=_fusion(args)))
+                                           modes=[parse_mode(m) for m in _list(args.modes)], fusion=_fusion(args),
+                                           judgements=args.judgements))
     print(f"index {result['index_version']} ({result['items']} items, FAISS {result['faiss']['type']}), "
           f"fusion {result['fusion']}, complete_last_word {result['complete_last_word']}")
     print(markdown(result))

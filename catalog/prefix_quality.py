@@ -1,7 +1,8 @@
 """Typeahead quality: the three search modes on query prefixes (`embedcar catalog quality --prefixes`).
 
 A typeahead query is nearly always a prefix cut mid-word. Each weak-label query of catalog/quality.py
-(aisle names; known-item title fragments) is cut to 25/50/75/100 % of its characters and searched
+(aisle names; known-item title fragments), and each labelled query of a judgements file when given
+(catalog/judgements.py), is cut to 25/50/75/100 % of its characters and searched
 semantic, lexical and hybrid on the newest published index version, the one the sidecar serves
 (its FAISS index as built, HNSW for the grocery catalog, and its lexical index), through
 `ProductIndex.rank`, the code behind Search; the cut queries are embedded by the job's backend,
@@ -14,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from catalog import store
 from catalog.fusion import Fusion, SearchMode
 from catalog.index import ProductIndex
 from catalog.job import job_backend
+from catalog.judgements import read_judgements
 from catalog.product_table import read_products
 from catalog.quality import K, QuerySet, aisle_queries, embed_all, known_item_queries, score
 from catalog.settings import Settings
@@ -40,7 +43,7 @@ def cut(text: str, percent: int) -> str:
 
 async def evaluate_prefixes(settings: Settings, *, known_items: int = 1000, seed: int = 0,
                             cuts: Sequence[int] = CUTS, modes: Sequence[SearchMode] = tuple(SearchMode),
-                            fusion: Fusion | None = None) -> dict[str, Any]:
+                            fusion: Fusion | None = None, judgements: str | Path | None = None) -> dict[str, Any]:
     backend = job_backend(settings)
     index = ProductIndex.from_settings(settings.catalog, expected_model_id=backend.version_id)
     if not index.has_lexical and set(modes) - {SearchMode.SEMANTIC}:
@@ -48,6 +51,8 @@ async def evaluate_prefixes(settings: Settings, *, known_items: int = 1000, seed
                          "`embedcar catalog build`")
     products, _rows = read_products(settings.catalog.index_root / index.version / store.PRODUCTS_FILE)
     sets = [aisle_queries(products), known_item_queries(products, known_items, seed=seed)]
+    if judgements is not None:  # a team's labelled queries (catalog/judgements.py)
+        sets.append(read_judgements(judgements, products).queries)
     fusion = fusion or index.fusion
     model_dir = settings.model.model_dir
     embedder = Embedder(load_tokenizer(model_dir, load_manifest(model_dir)), backend,

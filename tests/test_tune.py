@@ -116,6 +116,21 @@ def test_hard_negatives_are_same_aisle_products_without_the_attribute(catalog: P
     assert {p.kind for p in out} == {"attribute", "taxonomy"}
 
 
+def test_word_negatives_share_the_typed_words_from_another_aisle() -> None:
+    from catalog.sources import Product
+    from catalog.tuning.catalog_pairs import Pair, add_negatives
+
+    rows = [("1", "Nonfat Greek Yogurt", "yogurt"), ("2", "Greek Yogurt Ranch Dressing", "salad dressing"),
+            ("3", "Organic Greek Yogurt", "kosher foods"),  # ends with the words: the same thing shelved elsewhere
+            ] + [(str(i), f"Filler Item {i}", f"aisle {i}") for i in range(4, 12)]
+    products = [Product(pid, {"title": t, "aisle": a, "department": "d"}, i) for i, (pid, t, a) in enumerate(rows)]
+    pairs = [Pair("greek yogurt", "Nonfat Greek Yogurt", "head", "1")] * 30
+    with_words = {p.negative for p in add_negatives(pairs, products, ("title",), seed=0, words=True)}
+    assert with_words == {"Greek Yogurt Ranch Dressing"}
+    plain = {p.negative for p in add_negatives(pairs, products, ("title",), seed=0)}
+    assert len(plain) > 3 and "Nonfat Greek Yogurt" not in plain
+
+
 def test_tuning_with_hard_negatives_trains_on_triplets(models: Path, catalog: Path) -> None:
     r = _tune(models, catalog, "triplets", recipe=dataclasses.replace(RECIPE, hard_negatives=True), steps=20,
               force=True)
@@ -162,18 +177,27 @@ def test_killed_run_resumes_to_the_same_weights(models: Path, catalog: Path) -> 
     assert load_manifest(models / "killed").lineage["steps"] == 300
 
 
-def test_query_log_pairs_train_and_are_held_out(models: Path, catalog: Path, tmp_path: Path) -> None:
+def test_query_log_pairs_train_and_judged_queries_gate(models: Path, catalog: Path, tmp_path: Path) -> None:
     rows = [json.loads(line) for line in catalog.read_text().splitlines()]
     log = tmp_path / "log.csv"
     # a shopper's words for an aisle: the aisle's second word -> its products (with clicks)
     lines = ["query,product_id,clicks"] + [f"{r['aisle'].split()[1]} {i % 7},{r['id']},{i % 3}"
                                            for i, r in enumerate(rows)]
     log.write_text("\n".join(lines) + "\n")
-    r = _tune(models, catalog, "logged", pairs=log, force=True)
+    # labelled queries the gate scores: an aisle's first word -> the aisle; one is also a logged query,
+    # whose pairs are then left out of training
+    judged = tmp_path / "judged.csv"
+    shared = lines[1].split(",")[0]
+    aisles = sorted({r["aisle"] for r in rows})
+    judged.write_text("query,category\n" + "".join(f"{a.split()[0]},{a}\n" for a in aisles)
+                      + f"{shared},{rows[0]['aisle']}\n")
+    r = _tune(models, catalog, "logged", pairs=log, judgements=judged, force=True)
     assert "logged" in r.tuned and set(r.tuned["logged"]) == {"25", "50", "75", "100"}
+    assert "judged" in r.tuned and r.tuned["judged"]["100"]["queries"] == len(aisles) + 1
     lineage = load_manifest(models / "logged").lineage
-    assert lineage["logged_pairs"] == len(rows) and lineage["pairs"]["logged"] > 0
-    assert lineage["pairs_sha256"]
+    left_out = sum(1 for line in lines[1:] if line.split(",")[0] == shared)
+    assert lineage["logged_pairs"] == len(rows) - left_out and lineage["pairs"]["logged"] > 0
+    assert lineage["pairs_sha256"] and lineage["judgements_sha256"] and "judged" in lineage["held_out"]["base"]
 
 
 def test_a_mostly_bad_query_log_is_refused_naming_the_row(models: Path, catalog: Path, tmp_path: Path) -> None:

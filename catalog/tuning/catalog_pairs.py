@@ -143,9 +143,16 @@ def catalog_pairs(products: Sequence[Product], text_fields: Sequence[str], mix: 
     return pairs
 
 
+WORDY = ("taxonomy", "head", "brand")  # kinds whose negative may share the anchor's words (word_negatives)
+
+
 def add_negatives(pairs: Sequence[Pair], products: Sequence[Product], text_fields: Sequence[str], *,
-                  seed: int) -> list[Pair]:
-    """Each pair with a negative product text (see the module's docstring); deterministic by seed."""
+                  seed: int, words: bool = False) -> list[Pair]:
+    """Each pair with a negative product text (see the module's docstring); deterministic by seed.
+
+    `words`: for taxonomy, head and brand pairs, prefer another aisle's product whose title holds
+    every word of the anchor without ending with them ("greek yogurt" -> a greek yogurt ranch
+    dressing): what a word match finds but a shopper typing the anchor did not mean."""
     rng = random.Random(seed)
     taxonomy = taxonomy_fields(products)
     by_id = {p.id: p for p in products}
@@ -153,6 +160,11 @@ def add_negatives(pairs: Sequence[Pair], products: Sequence[Product], text_field
     for p in products:
         shelves.setdefault(aisle_of(p, taxonomy), []).append(p)
     everyone = list(products)
+    with_word: dict[str, set[int]] = {}
+    if words:
+        for i, p in enumerate(products):
+            for w in set(_WORD_RE.findall(p.fields.get("title", "").lower())):
+                with_word.setdefault(w, set()).add(i)
 
     out = []
     for pair in pairs:
@@ -171,6 +183,8 @@ def add_negatives(pairs: Sequence[Pair], products: Sequence[Product], text_field
             if pair.kind == "title" and not title.casefold().startswith(pair.anchor.casefold()):
                 neg = q
                 break
+        if neg is None and words and aisle and pair.kind in WORDY:
+            neg = _sharing_words(pair.anchor, aisle, products, with_word, taxonomy, rng)
         for _ in range(8 if neg is None else 0):  # another aisle's product: never a right answer in disguise
             q = rng.choice(everyone)
             if aisle_of(q, taxonomy) != aisle:
@@ -180,3 +194,17 @@ def add_negatives(pairs: Sequence[Pair], products: Sequence[Product], text_field
         if text and text != pair.positive:
             out.append(dataclasses.replace(pair, negative=text))
     return out
+
+
+def _sharing_words(anchor: str, aisle: str, products: Sequence[Product], with_word: dict[str, set[int]],
+                   taxonomy: Sequence[str], rng: random.Random) -> Product | None:
+    """A product of another aisle whose title holds every word of `anchor` but does not end with them
+    (that would be the same thing shelved elsewhere: "organic bread crumbs"), or None."""
+    words = _WORD_RE.findall(anchor.lower())
+    if not words:
+        return None
+    rows = set.intersection(*(with_word.get(w, set()) for w in words))
+    noun = " ".join(words)
+    others = sorted(i for i in rows if aisle_of(products[i], taxonomy) != aisle
+                    and head_words(products[i].fields.get("title", ""), len(words)) != noun)
+    return products[rng.choice(others)] if others else None

@@ -55,6 +55,9 @@ def register(msub: Any) -> None:
     p.add_argument("--pairs", type=Path, default=None, metavar="FILE",
                    help="query log: query + product_id per row, optional clicks/orders/weight (JSONL, CSV, Parquet)")
     how_long = p.add_mutually_exclusive_group(required=True)
+    p.add_argument("--judgements", type=Path, default=None, metavar="FILE",
+                   help="labelled queries (query + product_id or category per row) the gate also scores, never "
+                   "trained on; 'grocery': the demo catalog's shopper queries labelled by aisle")
     how_long.add_argument("--minutes", type=_positive(float), default=None, help="training time budget")
     how_long.add_argument("--steps", type=_positive(int), default=None, help="training steps (batches)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the pairs and training (default 0)")
@@ -80,6 +83,9 @@ def register(msub: Any) -> None:
     r.add_argument("--hard-negatives", action=argparse.BooleanOptionalAction, default=_DEFAULT.hard_negatives,
                    help="a negative product per pair: the same aisle without the attribute / another title for "
                         "attribute and title pairs, another aisle otherwise")
+    r.add_argument("--word-negatives", action=argparse.BooleanOptionalAction, default=_DEFAULT.word_negatives,
+                   help="with hard negatives: for aisle, noun and brand pairs, another aisle's product whose title "
+                   "holds the typed words")
     r.add_argument("--freeze-layers", type=int, default=0, metavar="N", help="keep the lower N layers as they are")
     r.add_argument("--held-share", type=float, default=_DEFAULT.held_share,
                    help=f"share of products and logged queries held out (default {_DEFAULT.held_share:g})")
@@ -97,10 +103,12 @@ def _tune(args: argparse.Namespace) -> int:
     settings = Settings.load(overrides=flag_overrides(args))
     recipe = Recipe(mix=parse_mix(args.mix), learning_rate=args.learning_rate, batch_size=args.batch_size,
                     max_seq_length=args.max_seq_length, loss=args.loss, matryoshka=args.matryoshka,
-                    hard_negatives=args.hard_negatives, freeze_layers=args.freeze_layers,
+                    hard_negatives=args.hard_negatives, word_negatives=args.word_negatives,
+                    freeze_layers=args.freeze_layers,
                     held_share=args.held_share, distractors=args.distractors, tolerance=args.tolerance)
     req = Request(base=settings.model.name, catalog=args.catalog, name=args.tuned_name, recipe=recipe,
-                  pairs=args.pairs, minutes=args.minutes, steps=args.steps, seed=args.seed, force=args.force,
+                  pairs=args.pairs, judgements=args.judgements, minutes=args.minutes, steps=args.steps,
+                  seed=args.seed, force=args.force,
                   rollout=args.rollout, id_field=args.id_field, progress=not args.no_progress)
     tune(settings, req, say=lambda m: print(m, file=sys.stderr, flush=True))
     return 0

@@ -13,6 +13,8 @@ characters as a typeahead sends them (catalog/prefix_quality.cut):
               and up to `distractors` trained-on ones (a catalog-sized haystack: tuning that blurs
               products of one aisle together shows here, as it does in a full index)
 - logged:     a held-out logged query -> the products it led to (with --pairs)
+- judged:     a team's labelled queries (--judgements; catalog/judgements.py) -> the products they name and
+              the held-out products of the categories they name; never trained on
 Metrics: nDCG@10, recall@10 and precision@10 (catalog/quality.score). `gate` refuses a tuned model that is worse
 than its base on any set, cut and metric by more than the tolerance.
 """
@@ -78,16 +80,26 @@ class HeldOut:
     distractors: list[str] = dataclasses.field(default_factory=list)  # trained-on products, for WIDE sets
 
 
+@dataclass(frozen=True, slots=True)
+class Judged:
+    """Labelled queries (catalog/judgements.py) by product id: what each query finds relevant, and
+    the products named one by one (they join the corpus, as the products of held-out logged queries do)."""
+    queries: list[str]
+    relevant: list[set[str]]
+    named: set[str]
+
+
 def held_out(s: Split, products_by_id: dict[str, Product], text_fields: Sequence[str], *, seed: int,
-             max_queries: int = 500, distractors: int = 0) -> HeldOut:
+             max_queries: int = 500, distractors: int = 0, judged: Judged | None = None) -> HeldOut:
     """The corpus and the query sets (see the module's docstring)."""
     rng = random.Random(seed)
     corpus = list(s.held)
     seen = {p.id for p in corpus}
-    for lp in s.held_logged:
-        if lp.product_id not in seen and lp.product_id in products_by_id:
-            corpus.append(products_by_id[lp.product_id])
-            seen.add(lp.product_id)
+    named = [lp.product_id for lp in s.held_logged] + sorted(judged.named if judged else ())
+    for pid in named:
+        if pid not in seen and pid in products_by_id:
+            corpus.append(products_by_id[pid])
+            seen.add(pid)
     row = {p.id: i for i, p in enumerate(corpus)}
     docs = [compose_text(p.fields, text_fields) for p in corpus]
     sets: list[QuerySet] = []
@@ -128,6 +140,11 @@ def held_out(s: Split, products_by_id: dict[str, Product], text_fields: Sequence
         if len(keys) > max_queries:
             keys = sorted(rng.sample(keys, max_queries))
         sets.append(QuerySet("logged", keys, [logged[k] for k in keys]))
+    if judged is not None:
+        pairs = [(q, rows) for q, ids in zip(judged.queries, judged.relevant, strict=True)
+                 if (rows := {row[i] for i in ids if i in row})]
+        if pairs:
+            sets.append(QuerySet("judged", [q for q, _ in pairs], [r for _, r in pairs]))
     extra = rng.sample(s.train, min(distractors, len(s.train)))
     return HeldOut(docs, sets, [compose_text(p.fields, text_fields) for p in extra])
 

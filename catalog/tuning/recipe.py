@@ -32,6 +32,7 @@ class Recipe:
     mini_batch_size: int = 32  # the cached loss's chunk
     matryoshka: tuple[int, ...] = ()  # MatryoshkaLoss dimensions (empty: off)
     hard_negatives: bool = True  # a negative product per pair (catalog_pairs.add_negatives): measured, kept
+    word_negatives: bool = False  # taxonomy/head/brand negatives share the anchor's words (add_negatives)
     freeze_layers: int = 0  # the embeddings and this many lower encoder layers stay as they are
     warmup_ratio: float = 0.1
     held_share: float = 0.1

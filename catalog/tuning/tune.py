@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from catalog import store
+from catalog.judgements import judgements_path, read_judgements
 from catalog.product_table import read_products
 from catalog.settings import Settings
 from catalog.sources import Product, compose_text, read_path
@@ -64,6 +65,7 @@ class Request:
     name: str
     recipe: Recipe
     pairs: Path | None = None
+    judgements: Path | None = None
     minutes: float | None = None
     steps: int | None = None
     seed: int = 0
@@ -106,13 +108,21 @@ def tune(settings: Settings, req: Request, *, say: Say = print) -> Result:
         log_file = read_query_log(req.pairs, by_id.keys())
         say(log_file.summary())
         logged = log_file.pairs
+    judged = _judged(req.judgements, products, say) if req.judgements is not None else None
+    if judged is not None and logged:
+        asked = {q.casefold() for q in judged.queries}
+        kept = [lp for lp in logged if lp.query.casefold() not in asked]
+        if len(kept) < len(logged):
+            say(f"{len(logged) - len(kept)} logged pairs of judged queries left out of training (they score it)")
+        logged = kept
     recipe = req.recipe
     split = heldout.split(products, logged, share=recipe.held_share, max_held=recipe.max_held, seed=req.seed)
-    held = heldout.held_out(split, by_id, text_fields, seed=req.seed, distractors=recipe.distractors)
+    held = heldout.held_out(split, by_id, text_fields, seed=req.seed, distractors=recipe.distractors,
+                            judged=judged)
     pairs = catalog_pairs(split.train, text_fields, recipe.mix, seed=req.seed)
     pairs += logged_pairs(split.train_logged, by_id, text_fields, recipe.mix.get("logged", 0.0), seed=req.seed)
     if recipe.hard_negatives:
-        pairs = add_negatives(pairs, split.train, text_fields, seed=req.seed)
+        pairs = add_negatives(pairs, split.train, text_fields, seed=req.seed, words=recipe.word_negatives)
     if not pairs:
         raise InvalidInput(f"no training pairs could be made from {req.catalog} (titles and categories are empty)")
     kinds = Counter(p.kind for p in pairs)
@@ -121,7 +131,9 @@ def tune(settings: Settings, req: Request, *, say: Say = print) -> Result:
         + ", ".join(f"{s.name} {len(s.queries)}" for s in held.sets))
 
     inputs = {"base": base_manifest.version_id, "catalog": catalog_digest(products, text_fields),
-              "pairs_sha256": sha256_file(req.pairs) if req.pairs else "", "recipe": recipe.to_dict(),
+              "pairs_sha256": sha256_file(req.pairs) if req.pairs else "",
+              "judgements_sha256": sha256_file(judgements_path(req.judgements)) if req.judgements else "",
+              "recipe": recipe.to_dict(),
               "seed": req.seed, "steps": req.steps, "minutes": req.minutes}
     work = models_dir / WORK_DIR / req.name
     run = _open_work(work, inputs, say)
@@ -178,6 +190,8 @@ def tune(settings: Settings, req: Request, *, say: Say = print) -> Result:
         "base": base_manifest.version_id, "base_name": req.base, "catalog": catalog_source,
         "catalog_digest": inputs["catalog"], "products": len(products), "held_out_products": len(split.held),
         "pairs_file": str(req.pairs) if req.pairs else "", "pairs_sha256": inputs["pairs_sha256"],
+        "judgements_file": str(req.judgements) if req.judgements else "",
+        "judgements_sha256": inputs["judgements_sha256"],
         "logged_pairs": len(logged), "pairs": dict(sorted(kinds.items())), "recipe": recipe.to_dict(),
         "seed": req.seed, "steps": done.steps, "max_steps": max_steps, "train_seconds": round(done.seconds, 1),
         "stopped_by_budget": done.stopped_by_budget, "device": where, "libraries": _libraries(),
@@ -195,6 +209,14 @@ def tune(settings: Settings, req: Request, *, say: Say = print) -> Result:
     else:
         say(next_steps(settings, req))
     return Result(manifest, base_figures, tuned_figures, misses, time.monotonic() - t_start, done.steps, version)
+
+
+def _judged(path: Path, products: Sequence[Product], say: Say) -> heldout.Judged:
+    """The judgements file read against the whole catalog (its mistakes reported as a catalog's are)."""
+    j = read_judgements(path, products)
+    say(j.summary())
+    return heldout.Judged(list(j.queries.queries), [{products[r].id for r in rows} for rows in j.queries.relevant],
+                          set(j.named))
 
 
 def load_catalog(source: str, *, id_field: str, text_fields: Sequence[str], say: Say) -> tuple[list[Product], str]:
