@@ -24,7 +24,7 @@ def _default_mix() -> dict[str, float]:
 @dataclass(frozen=True, slots=True)
 class Recipe:
     mix: dict[str, float] = field(default_factory=_default_mix)
-    learning_rate: float = 5e-5
+    learning_rate: float = 1e-4  # 5e-5 and 2e-4 measured (docs/benchmarks.md, "the recipe's levers")
     batch_size: int = 64
     max_seq_length: int = 32
     scale: float = 20.0  # MultipleNegativesRankingLoss's similarity scale (its default)
