@@ -65,29 +65,28 @@ def read_judgements(path: str | Path, products: Sequence[Product], *, name: str 
     typed: dict[str, str] = {}  # casefolded query -> as first written
     out = Judgements(QuerySet(name, [], []), source)
     seen: set[tuple[str, str]] = set()
+    repeats = 0  # repeated rows are reported but do not make a file "mostly bad"
+    first: BadRow | None = None  # the first row that is bad for another reason
     for line, row in rows:
         out.rows += 1
-        if isinstance(row, str):
-            out.bad.append(BadRow(line, row))
+        reason = row if isinstance(row, str) else _relevant(row, columns, by_id, by_category)
+        if isinstance(reason, str):
+            out.bad.append(BadRow(line, reason))
+            first = first or out.bad[-1]
             continue
-        found = _relevant(row, columns, by_id, by_category)
-        if isinstance(found, str):
-            out.bad.append(BadRow(line, found))
-            continue
-        query, key, hits = found
+        query, key, hits = reason
         if key.startswith("product "):
             out.named.add(key.removeprefix("product "))
         if (query.casefold(), key) in seen:
             out.bad.append(BadRow(line, f"repeats an earlier row ({key})"))
+            repeats += 1
             continue
         seen.add((query.casefold(), key))
         typed.setdefault(query.casefold(), query)
         relevant.setdefault(query.casefold(), set()).update(hits)
     if out.rows == 0:
         raise InvalidInput(f"{source}: no rows")
-    repeats = sum(1 for b in out.bad if b.reason.startswith("repeats"))
     if not relevant or (len(out.bad) - repeats) / out.rows > MAX_BAD_SHARE:
-        first = next((b for b in out.bad if not b.reason.startswith("repeats")), None)
         head = f"; first: line {first.line}: {first.reason}" if first else ""
         raise InvalidInput(f"{source}: refused as judgements: {len(out.bad)} of {out.rows} rows are bad{head}")
     out.queries.queries.extend(typed.values())
