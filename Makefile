@@ -45,7 +45,7 @@ browser:
 	  || echo "chromium could not be installed: the browser test will be skipped"; }
 
 # gRPC's C++ library (and Python's headers) for the load generator's compiled sender and the sidecar's
-# compiled gRPC front, its default gRPC server (sidecar/native_build.py builds them on first use). Best
+# compiled gRPC front, its default gRPC server (loadtest/native_build.py builds them on first use). Best
 # effort: without them their tests skip and say why, and the sidecar serves with grpc.aio.
 native:
 	@{ test -f /usr/include/grpcpp/generic/generic_stub.h && test -f "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h"; } || { \

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import unicodedata
 from collections.abc import Sequence
@@ -29,8 +30,64 @@ _PIECE = 1024
 _SLACK = 16
 
 
+# Stream-Safe Text Format (UAX #15, section 13): no real text holds more than 30 non-starters (canonical
+# combining class != 0) in a row. NFKC puts a run in canonical order by insertion sort, quadratic in its
+# length and holding the GIL (10,000 marks of alternating classes: ~100 ms), so a run is cut to this first.
+MAX_MARK_RUN = 30
+
+
+def _non_starters_only() -> list[int]:
+    """Code points whose NFKD is non-starters only: the combining marks, and a few compatibility
+    characters (U+FF9E to U+3099, U+0F73 to two marks). A run of these is one run for NFKC's sort; any
+    other character's NFKD starts with a starter, which ends the run (and brings at most 3 non-starters
+    after it). None is at or above U+20000 (tests/test_text_limits.py checks it for this Python's
+    Unicode). ~30 ms, once, at import: not on a request's path."""
+    chars = [chr(cp) for cp in range(0x20000)]
+    out = set(itertools.compress(chars, map(unicodedata.combining, chars)))
+    for ch in itertools.compress(chars, map(unicodedata.decomposition, chars)):
+        if ch not in out and all(map(unicodedata.combining, unicodedata.normalize("NFKD", ch))):
+            out.add(ch)
+    return sorted(map(ord, out))
+
+
+def _char_class(cps: list[int]) -> str:
+    """The inside of a regex [...] holding exactly `cps` (sorted; none is a character [...] treats
+    specially: they are all past U+02FF)."""
+    ranges: list[list[int]] = []
+    for cp in cps:
+        if ranges and ranges[-1][1] == cp - 1:
+            ranges[-1][1] = cp
+        else:
+            ranges.append([cp, cp])
+    return "".join(chr(a) if a == b else f"{chr(a)}-{chr(b)}" for a, b in ranges)
+
+
+NON_STARTERS = frozenset(_non_starters_only())
+_ASTRAL = sorted(cp for cp in NON_STARTERS if cp >= 0x10000)
+# Two scans because sre tests a character against a class's astral ranges one by one after its BMP
+# bitmap: the exact class costs ~0.1 µs a character. The first (the BMP bitmap, then one range from
+# the first astral mark to the last: no emoji, no CJK extension) costs ~10 ns and finds nothing in
+# real text.
+_MAYBE_LONG_RUN = re.compile(f"[{_char_class(sorted(cp for cp in NON_STARTERS if cp < 0x10000))}"
+                             f"{chr(_ASTRAL[0])}-{chr(_ASTRAL[-1])}]{{{MAX_MARK_RUN + 1}}}")
+_NON_STARTER = f"[{_char_class(sorted(NON_STARTERS))}]"
+_LONG_RUN = re.compile(f"({_NON_STARTER}{{{MAX_MARK_RUN}}}){_NON_STARTER}+")
+
+
+def cap_mark_runs(text: str) -> str:
+    """`text` with each run of non-starters cut to its first MAX_MARK_RUN, in linear time.
+
+    Stream-Safe inserts U+034F after every 30th instead; dropping the rest keeps every language
+    (Vietnamese, Devanagari, vocalised Arabic and Hebrew stack a few marks) and Zalgo text of normal
+    size as it was, and what a query holding thousands of marks loses is noise (or an attack)."""
+    if len(text) <= MAX_MARK_RUN or not _MAYBE_LONG_RUN.search(text):
+        return text
+    return _LONG_RUN.sub(r"\1", text)
+
+
 def normalize(text: str, *, lowercase: bool, limit: int | None = None) -> str:
-    """NFKC, collapse whitespace, strip; lowercase when the tokenizer is uncased anyway.
+    """Cut runs of combining marks (cap_mark_runs), NFKC, collapse whitespace, strip; lowercase when
+    the tokenizer is uncased anyway.
 
     Two texts with the same normalised form tokenize identically, so this is a safe cache key.
     `limit`: the most characters the reader of the result uses (the tokenizer's cut,
@@ -43,10 +100,12 @@ def normalize(text: str, *, lowercase: bool, limit: int | None = None) -> str:
     # same result in ~2 µs instead of ~7 (this runs on every request, hits included).
     if text.isascii():
         out = " ".join(text.split())
-    elif limit is None or len(text) * NFKC_MAX_GROWTH <= limit:
-        out = _SPACE.sub(" ", unicodedata.normalize("NFKC", text)).strip()
     else:
-        out = _normalize_prefix(text, limit + _SLACK)
+        text = cap_mark_runs(text)  # before anything reads it: the sort below, _normalize_prefix's scan
+        if limit is None or len(text) * NFKC_MAX_GROWTH <= limit:
+            out = _SPACE.sub(" ", unicodedata.normalize("NFKC", text)).strip()
+        else:
+            out = _normalize_prefix(text, limit + _SLACK)
     return out.lower() if lowercase else out
 
 

@@ -8,7 +8,7 @@ caller sees. Python still does everything but the sending: it builds the schedul
 serialized requests, reads the records back and summarizes them exactly as for the Python client
 (`loadtest.runner`).
 
-Built on first use into the private per-user cache, `~/.cache/embedcar/native/` (sidecar/native_build.py;
+Built on first use into the private per-user cache, `~/.cache/embedcar/native/` (loadtest/native_build.py;
 g++ and gRPC's C++ library: Debian's `libgrpc++-dev`, which `make test` installs when it can);
 `native_unavailable_reason()` says why it cannot be.
 Targets: `sidecar-embed`, `sidecar-stream`, `sidecar-search` with the `+native` suffix.
@@ -32,11 +32,11 @@ import numpy as np
 
 from inference.errors import Internal, InvalidInput, Unavailable
 from inference.grpc_io import for_other_grpc
+from loadtest.native_build import BUILD_DIR, build_native
 from loadtest.runner import RunConfig, RunResult, Sample, SelfPacedTarget, settled_stats
 from loadtest.schedule import arrival_offsets, pacer_report
 from loadtest.targets import SidecarEmbedTarget, SidecarSearchTarget, SidecarStreamTarget, Target, Timings
 from sidecar.client import embed_request, search_request, status_error, stream_error, timings_of
-from sidecar.native_build import BUILD_DIR, build_native
 from sidecar.proto import embedcar_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,7 @@
 """The Sidecar: objects built in __init__ (no I/O), servers started in `start()`, graceful `stop()`.
 
-    async with Sidecar(settings) as sc:      # gRPC on sc.grpc_target (served by sc.grpc_server: the
-        ...                                  # compiled front or grpc.aio), HTTP on sc.http_port, gRPC
-                                             # also on sc.uds_target if sidecar.uds_path is set
+    async with Sidecar(settings) as sc:      # gRPC on sc.grpc_target, HTTP on sc.http_port, gRPC
+        ...                                  # also on sc.uds_target if sidecar.uds_path is set
 
 `SidecarThread` runs one on its own event loop in a background thread (tests, benchmarks).
 """
@@ -32,11 +31,10 @@ from sidecar import models
 from sidecar.admission import Admission
 from sidecar.auth import KeyRing, check_bind
 from sidecar.cache import EmbeddingCache
-from sidecar.event_loop import new_event_loop
-from sidecar.grpc_server import EmbedderServicer, create_server, front_limits, health_status
+from sidecar.grpc_server import EmbedderServicer, create_server, health_status
+from sidecar.listeners import ConnectionCaps, Listener, ListenerCheck, connection_caps, raise_open_files_limit
 from sidecar.metrics import Metrics
 from sidecar.models import FALLBACK, ModelSet, ServedModel, build_model, served_names
-from sidecar.native_front import NativeFront, unavailable_reason
 from sidecar.pipeline import EmbedPipeline
 from sidecar.ratelimit import RateLimiter
 from sidecar.rollout import Rollout
@@ -46,7 +44,7 @@ from sidecar.service import EmbedService
 from sidecar.settings import Settings
 from sidecar.shedding import FRONT_SHARE, Gate
 from sidecar.tls import server_tls
-from sidecar.unix_socket import UnixSocket, prepare_unix_socket, restrict_unix_socket
+from sidecar.unix_socket import UnixSocket
 from sidecar.wire import SERVICE
 
 if TYPE_CHECKING:
@@ -93,7 +91,6 @@ class Sidecar:
         self.gate = Gate(lambda: self.models.default.admission, self.metrics, in_flight, share=FRONT_SHARE)
         self.http_gate = self.gate.front(FRONT_SHARE)
         self.grpc_port = 0
-        self._main_front: NativeFront | None = None  # serving grpc_port (sidecar.grpc_server=compiled)
         self.uds: UnixSocket | None = None
         self.http_port: int | None = None
         self.serving = False
@@ -102,6 +99,11 @@ class Sidecar:
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._monitor: asyncio.Task[None] | None = None
+        self._listener_task: asyncio.Task[None] | None = None
+        self.listener_check: ListenerCheck | None = None
+        self.failed = asyncio.Event()  # a listener died (sidecar.listener_dead_s): `failure` says which
+        self.failure = ""
+        self._backend_serving = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self.rollout = Rollout(settings, self.models, self.metrics, on_switch=self._switched, on_index_load=on_load)
         self._rollout: asyncio.Task[None] | None = None
@@ -184,18 +186,17 @@ class Sidecar:
         await self._set_health(False)  # NOT_SERVING until the backend is warm
         if self._settle_heap:  # the process's collector is ours to report
             self._unwatch_gc = heap.watch_pauses(self.metrics.observe_gc_pause)
+        caps = self._connection_caps()
         servicer = EmbedderServicer(self.service, self.metrics, self.gate)
-        if s.grpc_server == "compiled" and self._front_builds():
-            await self._start_compiled(servicer)
-        else:
-            try:
-                self._grpc, self.grpc_port, self.uds = create_server(s, servicer, self._health, self.tls)
-            except RuntimeError as exc:  # grpc.aio's "Failed to bind to address": it gives no reason
-                raise listen_error("--grpc-port", s.host, s.grpc_port, "gRPC could not bind it (in use, or not an "
-                                   "address of this host)") from exc
-            await self._grpc.start()
+        try:
+            self._grpc, self.grpc_port, self.uds = create_server(s, servicer, self._health, self.tls,
+                                                                 max_connections=caps.grpc)
+        except RuntimeError as exc:  # grpc.aio's "Failed to bind to address": it gives no reason
+            raise listen_error("--grpc-port", s.host, s.grpc_port, "gRPC could not bind it (in use, or not an "
+                               "address of this host)") from exc
+        await self._grpc.start()
         if s.http_port >= 0:
-            await self._start_http(s.host, s.http_port, s.max_message_bytes)
+            await self._start_http(s.host, s.http_port, s.max_message_bytes, caps.http)
         for m in self.models:
             await m.start()
             self._switched(m)
@@ -210,46 +211,23 @@ class Sidecar:
             self._settle()
         for m in self.models:
             m.health.mark(True)
+        self._backend_serving = True
+        self.listener_check = ListenerCheck(self._listeners(), dead_after_s=s.listener_dead_s,
+                                            on_change=lambda _up: self._spawn(self._publish_health()),
+                                            on_dead=self._listener_dead, on_state=self.metrics.observe_listener)
         await self._set_health(True)
         self._monitor = loop.create_task(self._watch_backend(), name="backend-health")
+        self._listener_task = loop.create_task(self.listener_check.run(), name="listener-check")
         if s.poll_s > 0:
             self._rollout = loop.create_task(self.rollout.run(), name="model-rollout")
-        log.info("sidecar serving %s on grpc %s:%d (%s)%s, http %s", ", ".join(m.version_id for m in self.models),
-                 s.host, self.grpc_port, self.grpc_server,
+        log.info("sidecar serving %s on grpc %s:%d%s, http %s", ", ".join(m.version_id for m in self.models),
+                 s.host, self.grpc_port,
                  f" and {self.uds.path}" if self.uds is not None else "",
                  self.http_port if self.http_port is not None else "off")
-
-    @property
-    def grpc_server(self) -> str:
-        """What serves grpc_port: "compiled" (the compiled front) or "aio"."""
-        return "compiled" if self._main_front is not None else "aio"
-
-    @staticmethod
-    def _front_builds() -> bool:
-        reason = unavailable_reason()
-        if reason is not None:
-            log.warning("sidecar.grpc_server=compiled: %s; serving gRPC with grpc.aio instead", reason)
-        return reason is None
-
-    async def _start_compiled(self, servicer: EmbedderServicer) -> None:
-        """The compiled front on grpc_port (and uds_path), health and reflection included: no grpc.aio server."""
-        s = self.settings.sidecar
-        uds_path = prepare_unix_socket(s.uds_path) if s.uds_path is not None else None
-        front = self._main_front = NativeFront(servicer.requests, asyncio.get_running_loop(),
-                                               backlog=s.transport_backlog)
-        try:
-            self.grpc_port = await asyncio.to_thread(front.start, s.host, s.grpc_port, s.max_message_bytes,
-                                                     front_limits(s), unix=uds_path, tls=self.tls)
-        except OSError as exc:  # the front's bind failed (sidecar/native_front.py)
-            raise listen_error("--grpc-port", s.host, s.grpc_port, str(exc)) from exc
-        if uds_path is not None:
-            self.uds = restrict_unix_socket(uds_path)
 
     def _switched(self, m: ServedModel) -> None:
         """A model version went into service (at start, or by a rollout)."""
         m.health.on_down = lambda: self._spawn(self._set_health(self.can_answer))
-        if self._main_front is not None:
-            self._main_front.calls(m.backend)
         self.metrics.model_info.clear()
         for served in self.models:
             self.metrics.model_info.labels(served.name, served.version_id).set(1)
@@ -268,17 +246,12 @@ class Sidecar:
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
             self.serving = False
-        if self._main_front is not None:
-            self._main_front.shutdown_health()
-        for task in (self._monitor, self._rollout):
+        for task in (self._monitor, self._rollout, self._listener_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._monitor = self._rollout = None
-        if self._main_front is not None:
-            await self._main_front.stop(grace)
-        self._main_front = None
+        self._monitor = self._rollout = self._listener_task = None
         if self._grpc is not None:
             await self._grpc.stop(grace)  # refuses new calls, lets in-flight ones finish within `grace`
             self._grpc = None
@@ -305,7 +278,27 @@ class Sidecar:
         await self.stop()
 
     # --- pieces ------------------------------------------------------------------------------
-    async def _start_http(self, host: str, port: int, max_bytes: int) -> None:
+    def _connection_caps(self) -> ConnectionCaps:
+        s = self.settings.sidecar
+        open_files = raise_open_files_limit()
+        return connection_caps(open_files, s.grpc_max_connections, s.http_max_connections, http_on=s.http_port >= 0)
+
+    def _listeners(self) -> list[Listener]:
+        """Every address this sidecar was asked to serve, as its own check reaches it."""
+        s, tls = self.settings.sidecar, self.tls is not None
+        found = [Listener("grpc", s.host, self.grpc_port, "h2", tls)]
+        if self.uds is not None:
+            found.append(Listener("uds", str(self.uds.path), 0, "h2"))
+        if self.http_port is not None:
+            found.append(Listener("http", s.host, self.http_port, "http1", tls))
+        return found
+
+    def _listener_dead(self, message: str) -> None:
+        log.critical("%s", message)
+        self.failure = message
+        self.failed.set()
+
+    async def _start_http(self, host: str, port: int, max_bytes: int, max_connections: int) -> None:
         import uvicorn
 
         from sidecar.http_api import create_app
@@ -316,7 +309,7 @@ class Sidecar:
                          gate=self.http_gate, body_timeout_s=s.http_body_timeout_s)
         sock = listen_tcp(host, port, flag="--http-port")
         self.http_port = int(sock.getsockname()[1])
-        limits = HttpLimits(header_timeout_s=s.http_header_timeout_s, max_connections=s.http_max_connections)
+        limits = HttpLimits(header_timeout_s=s.http_header_timeout_s, max_connections=max_connections)
         # Connections are limited (and refused past it) by the protocol, not uvicorn's limit_concurrency,
         # which would accept them all and answer 503 only once a request came.
         config = uvicorn.Config(app, http=UpgradeTolerantHttp.guarded(limits), log_level="warning", access_log=False,
@@ -348,14 +341,20 @@ class Sidecar:
         log.info("cache warmed with %d queries", len(queries))
         return len(queries)
 
-    async def _set_health(self, serving: bool) -> None:
+    async def _set_health(self, backend_serving: bool) -> None:
+        self._backend_serving = backend_serving
+        await self._publish_health()
+
+    async def _publish_health(self) -> None:
+        """One truth for HTTP /health, gRPC health and the metrics: the backends can answer and every
+        listener answers the sidecar's own check."""
+        serving = self._backend_serving and (self.listener_check is None or self.listener_check.up)
         self.serving = serving
+        self.metrics.serving.set(1 if serving else 0)
         if self._health is not None:
             status = health_status(serving)
             await self._health.set("", status)
             await self._health.set(SERVICE, status)
-        if self._main_front is not None:
-            self._main_front.set_serving(serving, ("", SERVICE))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -379,7 +378,7 @@ class Sidecar:
                 else:
                     m.health.mark(True)
                     log.info("backend %s of %s is back", m.backend.name, m.name)
-            if self.can_answer != self.serving:
+            if self.can_answer != self._backend_serving:
                 await self._set_health(self.can_answer)
 
 
@@ -389,7 +388,7 @@ class SidecarThread:
     def __init__(self, settings: Settings, *, backend: Backend | None = None,
                  index: ProductIndex | None = None) -> None:
         self._args = (settings, backend, index)
-        self._loop = new_event_loop()
+        self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sidecar", daemon=True)
         self.sidecar: Sidecar | None = None
 

@@ -121,28 +121,6 @@ class MicroBatcher(Scheduler):
         return (self.inline and not any(self._queues.values())
                 and self._forward_s <= INLINE_LOAD * self._gap_s)
 
-    def can_run_now(self) -> bool:
-        """`run_now` may run a pass at once on the calling thread: the batcher is started and idle (no
-        pass running, nothing queued) and arrivals are sparse (the inline rule). Asked, like run_now, by
-        the compiled gRPC front's thread while the event loop sleeps (sidecar.event_loop)."""
-        return self._task is not None and not self._passing and self._inline_now()
-
-    def run_now(self, bucket: int, ids: list[list[int]], deadline: float | None) -> Computed:
-        """`run` as one pass on the calling thread, without the loop; only after can_run_now()."""
-        self._arrival(self._clock())
-        if deadline is not None and deadline <= self._clock():
-            raise DeadlineExceeded("deadline expired before inference")
-        start = time.perf_counter_ns()
-        try:
-            emb = self.backend.embed_sync(self.tokenizer.batch(ids, length=bucket))
-        except EmbedcarError:
-            raise
-        except Exception as exc:  # a bug below us: the caller's error, not the front's
-            raise Internal(f"backend failed: {exc}") from exc
-        end = time.perf_counter_ns()
-        self._passed(len(ids), bucket, end - start, "front")
-        return Computed(np.ascontiguousarray(emb), 0, end - start, self.label)
-
     def _passed(self, rows: int, bucket: int, pass_ns: int, thread: str) -> None:
         """A pass's bookkeeping: its duration's EMA, admission's cost model, metrics."""
         self.batches += 1
@@ -153,8 +131,7 @@ class MicroBatcher(Scheduler):
         if self._metrics is not None:
             self._metrics.batch_size.observe(rows)
             m = self._metrics
-            (m.passes_on_loop if thread == "loop" else m.passes_on_front if thread == "front"
-             else m.passes_on_worker).inc()
+            (m.passes_on_loop if thread == "loop" else m.passes_on_worker).inc()
 
     def _oldest_bucket(self) -> int | None:
         best: int | None = None

@@ -1,14 +1,14 @@
 """A request, whichever transport brought it: the gate, parsing, the service, the reply or its error.
 
-Both gRPC servers (grpc.aio's `sidecar.grpc_server`, the compiled `sidecar.native_front`) hand this
-module an Embedder request's bytes and write back what it returns; the HTTP facade (`sidecar.http_api`)
-parses its JSON itself and shares the error handling. So each of these is written once here:
+The gRPC server (`sidecar.grpc_server`) hands this module an Embedder request's bytes and writes back
+what it returns; the HTTP facade (`sidecar.http_api`) parses its JSON itself and shares the error
+handling. So each of these is written once here:
 
     `failure`        a failed request's error, counted; a bug's traceback logged (INTERNAL to its caller)
     `Requests`       Embed and Search bytes -> gate -> parse -> service (`EmbedService.open`: the key, the
-                     rate limit, the model: one `Call`) -> reply bytes; `now` on the calling thread
+                     rate limit, the model: one `Call`) -> reply bytes
     `StreamSession`  one Stream call: the key checked once as it opens, each message gated, answered by
-                     its own task (or at once on the compiled front's thread), an error as its reply
+                     its own task, an error as its reply
 
 Requests are parsed here rather than by grpc so that undecodable bytes, invalid UTF-8 and unknown
 fields become INVALID_ARGUMENT with a message instead of a generic failure. What a failure answers on
@@ -52,8 +52,7 @@ def failure(metrics: Metrics, rpc: str, exc: BaseException) -> EmbedcarError:
 
 @dataclass(slots=True)
 class Parsed:
-    """A request decoded (and, where `call` is set, admitted by the service) on one thread and finished on
-    the loop: the compiled front's hand-over."""
+    """A request decoded, and once `call` is set, admitted by the service (its key, rate limit, model)."""
 
     rpc: str  # "embed" | "search"
     request: Any  # pb.EmbedRequest | pb.SearchRequest
@@ -114,8 +113,8 @@ def _embed_reply(req: pb.EmbedRequest, out: EmbedOutcome) -> pb.EmbedReply:
 
 
 class Requests:
-    """The Embedder's Embed and Search, as their proto's bytes in and a reply's bytes out, for both gRPC
-    servers. Raises EmbedcarError (count it: `failure`)."""
+    """The Embedder's Embed and Search, as their proto's bytes in and a reply's bytes out. Raises
+    EmbedcarError (count it: `failure`)."""
 
     def __init__(self, service: EmbedService, metrics: Metrics, gate: Gate | None = None) -> None:
         self.service = service
@@ -130,32 +129,17 @@ class Requests:
     def refusal(self) -> Overloaded | None:
         return self.gate.refusal() if self.gate is not None else None
 
-    def _parsed(self, rpc: str, raw: bytes, deadline: float | None) -> Parsed:
-        refused = self.refusal()  # before the request is parsed: the cheap refusal under overload
+    async def answer(self, rpc: str, raw: bytes, key: str | None, deadline: float | None) -> bytes:
+        """A unary call's reply (rpc "embed" or "search"). The caller's key is checked before a byte of its
+        request is decoded: an unauthenticated caller costs a digest, never a parse."""
+        refused = self.refusal()  # the cheapest refusal under overload comes first
         if refused is not None:
             raise refused
-        return Parsed(rpc, decode(pb.EmbedRequest if rpc == "embed" else pb.SearchRequest, raw), deadline)
-
-    async def answer(self, rpc: str, raw: bytes, key: str | None, deadline: float | None) -> bytes:
-        """A unary call's reply (rpc "embed" or "search")."""
-        parsed = self._parsed(rpc, raw, deadline)
-        parsed.call = self.service.open(key, model=parsed.request.model or None, deadline=deadline)
-        return await self.reply(parsed)
-
-    async def reply(self, parsed: Parsed) -> bytes:
-        """An admitted unary call's reply (what `now` handed over)."""
-        return bytes((await self.finish(parsed)).SerializeToString())
-
-    def now(self, raw: bytes, key: str | None, deadline: float | None) -> bytes | Parsed:
-        """An Embed call's reply computed on the calling thread (EmbedService.embed_now), or the request
-        parsed and admitted: finish it with `finish` on the loop."""
-        parsed = self._parsed("embed", raw, deadline)
-        call = parsed.call = self.service.open(key, model=parsed.request.model or None, deadline=deadline)
-        out = self.service.embed_now(call, parsed.request.texts)
-        if out is None:
-            return parsed
-        self._ok["embed"].inc()
-        return bytes(_embed_reply(parsed.request, out).SerializeToString())
+        t0 = time.perf_counter_ns()
+        tenant = self.service.caller(key)
+        request = decode(pb.EmbedRequest if rpc == "embed" else pb.SearchRequest, raw)
+        call = self.service.call(tenant, model=request.model or None, deadline=deadline, t0=t0)
+        return bytes((await self.finish(Parsed(rpc, request, deadline, call))).SerializeToString())
 
     async def finish(self, parsed: Parsed) -> pb.EmbedReply | pb.SearchReply:
         """The reply message of an admitted request; counts it."""
@@ -181,20 +165,17 @@ class Requests:
             model=found.model, index_version=found.index_version, cache_hits=found.cache_hits,
             timings=pb.Timings(**found.timings_ns), backend=found.backend)
 
-    def ok(self, rpc: str) -> None:
-        self._ok[rpc].inc()
-
 
 Write = Callable[[bytes], Awaitable[None] | None]
 CreateTask = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
 
 
 class StreamSession:
-    """One Stream call on either gRPC server. The caller's key is checked once, as it opens (Unauthenticated:
+    """One Stream call. The caller's key is checked once, as it opens (Unauthenticated:
     the stream ends); each message then takes its own rate-limit token (EmbedService.call). Each message
     passes the gate (`enter`: counted in progress until answered) and is answered by its own task (`spawn`),
-    or at once on the calling thread (`now`), so requests in flight on one stream batch together as
-    separate calls would; an error is that message's reply."""
+    so requests in flight on one stream batch together as separate calls would; an error is that
+    message's reply."""
 
     def __init__(self, requests: Requests, key: str | None, deadline: float | None) -> None:
         try:
@@ -216,28 +197,7 @@ class StreamSession:
         if self._requests.gate is not None:
             self._requests.gate.leave()
 
-    def now(self, raw: bytes) -> bytes | Parsed | None:
-        """After `enter`: a message's reply computed on the calling thread (an Embed that needs no waiting,
-        or an error), or what to finish on the loop with `spawn`: the message parsed (and an Embed admitted),
-        None for one to parse there. The gate is left once a reply is returned."""
-        rid, rpc = 0, "stream"
-        try:
-            parsed = _stream_message(raw, time.monotonic(), self.deadline)
-            rid, rpc = parsed.id, parsed.rpc
-            if rpc != "embed":
-                return None
-            parsed.call = self._call(parsed)
-            out = self._requests.service.embed_now(parsed.call, parsed.request.texts)
-            if out is None:
-                return parsed
-            self._requests.ok("embed")
-            reply = pb.StreamReply(id=rid, embed=_embed_reply(parsed.request, out)).SerializeToString()
-        except Exception as exc:
-            reply = self._failed(raw, rid, rpc, exc)
-        self.leave()
-        return bytes(reply)
-
-    def spawn(self, message: bytes | Parsed, write: Write, create: CreateTask) -> None:
+    def spawn(self, message: bytes, write: Write, create: CreateTask) -> None:
         """On the loop, after `enter`: a task (made by `create`) answering `message` and writing its reply;
         the gate is left once it is answered, or cancelled before it ran. Nothing where the caller has left."""
         if self.cancelled:
@@ -255,7 +215,7 @@ class StreamSession:
         for task in self.tasks:
             task.cancel()
 
-    async def _answer(self, message: bytes | Parsed, write: Write, left: _Once) -> None:
+    async def _answer(self, message: bytes, write: Write, left: _Once) -> None:
         try:
             reply = await self.reply(message)
         finally:
@@ -264,15 +224,13 @@ class StreamSession:
         if written is not None:
             await written
 
-    async def reply(self, message: bytes | Parsed) -> bytes:
+    async def reply(self, message: bytes) -> bytes:
         """A message's reply (an error is its reply)."""
         rid, rpc = 0, "stream"
         try:
-            parsed = _stream_message(message, time.monotonic(), self.deadline) if isinstance(message, bytes) \
-                else message
+            parsed = _stream_message(message, time.monotonic(), self.deadline)
             rid, rpc = parsed.id, parsed.rpc
-            if parsed.call is None:
-                parsed.call = self._call(parsed)
+            parsed.call = self._call(parsed)
             answered: Any = await self._requests.finish(parsed)
             reply = pb.StreamReply(id=rid, **{rpc: answered})
         except Exception as exc:
@@ -282,9 +240,9 @@ class StreamSession:
     def _call(self, parsed: Parsed) -> Call:
         return self._requests.service.call(self.tenant, model=parsed.request.model or None, deadline=parsed.deadline)
 
-    def _failed(self, message: bytes | Parsed, rid: int, rpc: str, exc: Exception) -> bytes:
+    def _failed(self, message: bytes, rid: int, rpc: str, exc: Exception) -> bytes:
         """A message's error reply (counted): the id echoed where it was read (or can be)."""
-        if not rid and isinstance(exc, EmbedcarError) and isinstance(message, bytes):
+        if not rid and isinstance(exc, EmbedcarError):
             rid = _stream_id(message)
         return self._error_reply(rid, rpc, exc)
 

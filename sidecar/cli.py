@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -18,12 +19,13 @@ if TYPE_CHECKING:
     from sidecar.app import Sidecar
 
 log = logging.getLogger("sidecar")
+LISTENER_DEAD_EXIT = 70  # EX_SOFTWARE: a listener stopped answering (sidecar.listener_dead_s); restart me
 
 
 def add_sidecar_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     add_flags(p, "triton", TritonSettings, "urls")
-    add_flags(p, "sidecar", SidecarSettings, "models", "host", "grpc_port", "grpc_server",
+    add_flags(p, "sidecar", SidecarSettings, "models", "host", "grpc_port",
               "uds_path", "http_port", "backend", "index_dir", "api_keys_file", "warm_queries_file", "cache_entries",
               "tls_cert_file", "tls_key_file", "tls_client_ca_file")
 
@@ -52,11 +54,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     # Before the model's and gRPC's threads start: they inherit it.
     log.info("CPU slice: %s", set_slice(SIDECAR_SLICE_US))
-    from sidecar.event_loop import new_event_loop
-
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:  # the loop the compiled front answers beside
-        runner.run(_serve_async(settings))
-    return 0
+    with asyncio.Runner() as runner:
+        failure = runner.run(_serve_async(settings))
+    return 0 if failure is None else LISTENER_DEAD_EXIT
 
 
 def _search_state(sidecar: Sidecar) -> str:
@@ -64,7 +64,8 @@ def _search_state(sidecar: Sidecar) -> str:
     return f", search {index.version}" if index is not None else ", search: no index yet (UNAVAILABLE until one loads)"
 
 
-async def _serve_async(settings: Settings) -> None:
+async def _serve_async(settings: Settings) -> str | None:
+    """Serve until a signal (None) or until a listener dies (its message: the process exits non-zero)."""
     from sidecar.app import Sidecar
 
     stop = asyncio.Event()
@@ -73,10 +74,19 @@ async def _serve_async(settings: Settings) -> None:
         loop.add_signal_handler(sig, stop.set)
     sidecar = Sidecar(settings, settle_heap=True)
     await sidecar.start()
-    print(f"sidecar ready: grpc {settings.sidecar.host}:{sidecar.grpc_port} ({sidecar.grpc_server})"
+    print(f"sidecar ready: grpc {settings.sidecar.host}:{sidecar.grpc_port}"
           f"{f', grpc {sidecar.uds_target}' if sidecar.uds_target is not None else ''}"
           f"{f', http {settings.sidecar.host}:{sidecar.http_port}' if sidecar.http_port is not None else ''}"
           f"{_search_state(sidecar) if settings.sidecar.index_dir is not None else ''}", flush=True)
-    await stop.wait()
+    stopped = asyncio.ensure_future(stop.wait())
+    failed = asyncio.ensure_future(sidecar.failed.wait())
+    await asyncio.wait((stopped, failed), return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    failed.cancel()
+    if sidecar.failed.is_set():  # whatever hangs the listener may hang a graceful stop: keep it short
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(sidecar.stop(grace_s=0), 10)
+        return sidecar.failure
     log.info("stopping: finishing in-flight requests (grace %.1f s)", settings.sidecar.grace_s)
     await sidecar.stop()
+    return None

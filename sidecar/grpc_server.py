@@ -1,5 +1,5 @@
-"""grpc.aio's gRPC server: metadata -> api key and deadline, the reply or its error -> the call's status;
-the requests themselves are sidecar.calls' (the compiled front, sidecar.native_front, shares them).
+"""The sidecar's gRPC server (grpc.aio on grpcio's C core): metadata -> api key and deadline, the reply
+or its error -> the call's status; the requests themselves are sidecar.calls'.
 
 With API keys set, every method needs the `x-api-key` metadata except the health service (probes
 carry no key): Embed and Search check it in the service (per tenant, with its rate limit; Stream
@@ -12,17 +12,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha._async import ReflectionServicer
 
 from inference.errors import EmbedcarError, Unauthenticated
 from sidecar.auth import KeyRing
-from sidecar.calls import Requests, StreamSession, decode
+from sidecar.calls import Requests, StreamSession
 from sidecar.errors import status
 from sidecar.metrics import Metrics
 from sidecar.service import EmbedService
@@ -33,15 +33,17 @@ from sidecar.unix_socket import UnixSocket, bind_unix_socket, prepare_unix_socke
 from sidecar.wire import API_KEY, RETRY_AFTER_KEY, SERVICE
 
 HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-SERVED = (SERVICE, HEALTH, reflection.SERVICE_NAME)  # what reflection lists
-# A caller's limits on either server (docs/reliability.md, the hostile-gRPC table): calls open at once on
-# one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; past it the client waits), a connection without
-# calls closed (GOAWAY; clients reconnect), the compiled front's buffers under one gRPC resource quota,
-# and a Stream that stops reading while this many replies are owed or unwritten (a caller that sends
-# and never reads holds at most these).
+# Reflection v1 (what current grpcurl and IDEs ask first) is v1alpha's protocol under a new package name,
+# message for message on the wire; grpcio-reflection ships only v1alpha, so its servicer answers both.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+SERVED = (SERVICE, HEALTH, REFLECTION_V1, reflection.SERVICE_NAME)  # what reflection lists
+# A caller's limits (docs/reliability.md, the hostile-gRPC table): calls open at once on one connection
+# (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; past it the client waits: a unary reply the caller does not
+# read keeps its stream open, so this also bounds the replies one connection can owe), a connection
+# without calls closed (GOAWAY; clients reconnect), and a Stream that stops reading while this many
+# replies are owed or unwritten (a caller that sends and never reads holds at most these).
 GRPC_MAX_STREAMS = 100
 GRPC_IDLE_S = 600
-GRPC_MEMORY_MB = 256
 STREAM_MAX_OWED = 64
 
 
@@ -88,37 +90,14 @@ def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
     return None if left is None else time.monotonic() + left
 
 
-class Reflection:
-    """Server reflection one request at a time, for the compiled front (grpc_reflection's own servicer;
-    grpc.aio serves it whole): a request's reply, or InvalidInput for bytes that are no request."""
-
-    METHOD = f"/{reflection.SERVICE_NAME}/ServerReflectionInfo"
-
-    def __init__(self) -> None:
-        self._servicer = reflection.ReflectionServicer(SERVED)
-
-    def answer(self, raw: bytes) -> bytes:
-        request = decode(reflection_pb2.ServerReflectionRequest, raw, strict=False)
-        [reply] = self._servicer.ServerReflectionInfo(iter([request]), None)
-        return bytes(reply.SerializeToString())
-
-
-@dataclass(frozen=True, slots=True)
-class FrontLimits:
-    """What one gRPC server allows a caller (both servers: `server_options`; the compiled front also
-    takes a memory quota, and stops reading a Stream `max_owed` replies ahead)."""
-
-    options: tuple[tuple[str, int], ...]
-    memory_bytes: int
-    max_owed: int
-
-
-def front_limits(settings: SidecarSettings) -> FrontLimits:
-    """The limits of a production gRPC server: concurrent streams per connection, idle and maximum
-    connection age (from settings), keepalive (the server pings a silent peer and drops a dead one; a client
-    pinging more often than every 10 s without calls is told GOAWAY after two strikes), header size."""
+def front_options(settings: SidecarSettings, max_connections: int) -> list[tuple[str, int]]:
+    """The limits of a production gRPC server: connections at once (gRPC's connection quota closes a new one
+    past it), concurrent streams per connection, idle and maximum connection age (from settings),
+    keepalive (the server pings a silent peer and drops a dead one; a client pinging more often than every
+    10 s without calls is told GOAWAY after two strikes), header size."""
     ms = 1000
     options = [
+        ("grpc.max_allowed_incoming_connections", max_connections),
         ("grpc.max_concurrent_streams", GRPC_MAX_STREAMS),
         ("grpc.keepalive_time_ms", 60 * ms),
         ("grpc.keepalive_timeout_ms", 20 * ms),
@@ -130,7 +109,7 @@ def front_limits(settings: SidecarSettings) -> FrontLimits:
     if settings.grpc_max_connection_age_s > 0:
         options += [("grpc.max_connection_age_ms", int(settings.grpc_max_connection_age_s * ms)),
                     ("grpc.max_connection_age_grace_ms", int(settings.grace_s * ms))]
-    return FrontLimits(tuple(options), GRPC_MEMORY_MB * 1024 * 1024, STREAM_MAX_OWED)
+    return options
 
 
 class EmbedderServicer:
@@ -193,9 +172,11 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: EmbedcarError
 
 
 def create_server(settings: SidecarSettings, servicer: EmbedderServicer, health: HealthServicer,
-                  tls: ServerTls | None = None) -> tuple[grpc.aio.Server, int, UnixSocket | None]:
+                  tls: ServerTls | None = None, *, max_connections: int | None = None,
+                  ) -> tuple[grpc.aio.Server, int, UnixSocket | None]:
     """A configured, unstarted server bound to settings.host:grpc_port (0 = free port), and to the
-    Unix socket settings.uds_path when set (no network reach: the bind check does not apply to it)."""
+    Unix socket settings.uds_path when set (no network reach: the bind check does not apply to it).
+    `max_connections`: the connection cap (default settings.grpc_max_connections)."""
     uds_path = prepare_unix_socket(settings.uds_path) if settings.uds_path is not None else None
     limit = settings.max_message_bytes
     keys = servicer.service.keys
@@ -206,7 +187,7 @@ def create_server(settings: SidecarSettings, servicer: EmbedderServicer, health:
         ("grpc.max_send_message_length", max(limit, 64 * 1024 * 1024)),
         ("grpc.so_reuseport", 0),
         *backlog_options(settings.transport_backlog),
-        *front_limits(settings).options,  # grpcio takes no memory quota here: Python's own buffers dominate
+        *front_options(settings, settings.grpc_max_connections if max_connections is None else max_connections),
     ])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
         # No (de)serializers: the servicer parses bytes itself (see module docstring).
@@ -215,11 +196,21 @@ def create_server(settings: SidecarSettings, servicer: EmbedderServicer, health:
         "Stream": grpc.stream_stream_rpc_method_handler(servicer.stream),
     }),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(SERVED, server)
+    _add_reflection(server)
     address = grpc_address(settings.host, settings.grpc_port)
     port = server.add_secure_port(address, tls.grpc_credentials()) if tls else server.add_insecure_port(address)
     uds = bind_unix_socket(server, uds_path) if uds_path is not None else None
     return server, port, uds
+
+
+def _add_reflection(server: grpc.aio.Server) -> None:
+    """Server reflection, v1 and v1alpha, from one servicer (the key is checked first: KeyInterceptor)."""
+    handler = grpc.stream_stream_rpc_method_handler(
+        ReflectionServicer(SERVED).ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers(tuple(grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": handler})
+                                          for name in (REFLECTION_V1, reflection.SERVICE_NAME)))
 
 
 def grpc_address(host: str, port: int) -> str:

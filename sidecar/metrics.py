@@ -89,13 +89,15 @@ ALERTS: dict[str, str] = {
     "embedcar_backend_errors": "Any sustained rate: the backend (Triton or the embedded model) is failing.",
     "embedcar_batch_size": "No alert: rows per backend call (batching at work under load).",
     "embedcar_forward_passes": "No alert: embedded forward passes by the thread that ran them; thread=loop "
-    "while queries arrive sparsely (no thread hop), thread=front for such a query taken by the compiled gRPC "
-    "front (sidecar.grpc_server=compiled, the default; on the Triton backend: the Triton calls it made "
-    "itself), thread=worker under load.",
+    "while queries arrive sparsely (no thread hop), thread=worker under load.",
     "embedcar_backend_answers": "backend=embedded-fallback above zero: Triton is down and the in-process model "
     "answers in its place.",
     "embedcar_backend_up": "0 for more than a minute (the backend is down; with embedded_fallback the "
     "in-process model answers meanwhile).",
+    "embedcar_serving": "0 for more than a minute: health says NOT_SERVING (a backend down without fallback, "
+    "or a listener not answering; see embedcar_listener_up).",
+    "embedcar_listener_up": "0 on any listener: it did not answer the sidecar's own check on a new connection; "
+    "the process exits once one stays silent for sidecar.listener_dead_s.",
     "embedcar_cache_entries": "No alert: the cache's fill (at most sidecar.cache_entries).",
     "embedcar_model_switches": "Dashboard: each rollout or rollback; more than expected means flapping "
     "versions.",
@@ -125,12 +127,15 @@ class Metrics:
         self.batch_size = Histogram("embedcar_batch_size", "Texts per backend call.", m, buckets=BATCH_BUCKETS,
                                     registry=r)
         self.forward_passes = Counter("embedcar_forward_passes", "Embedded micro-batcher's forward passes by the "
-                                      "thread that ran them (loop | front | worker); front also counts the Triton "
-                                      "calls the compiled gRPC front made itself.", [*m, "thread"], registry=r)
+                                      "thread that ran them (loop | worker).", [*m, "thread"], registry=r)
         self.backend_answers = Counter("embedcar_backend_answers", "Backend calls by the backend that answered "
                                        "(embedded-fallback: the embedded model while the backend was down).",
                                        [*m, "backend"], registry=r)
         self.backend_up = Gauge("embedcar_backend_up", "1 while the model's backend serves.", m, registry=r)
+        self.serving = Gauge("embedcar_serving", "1 while health says SERVING (HTTP /health and gRPC health "
+                             "alike).", registry=r)
+        self.listener_up = Gauge("embedcar_listener_up", "1 while the listener (grpc, uds, http) answered the "
+                                 "sidecar's last check on a new connection.", ["listener"], registry=r)
         self.cache_entries = Gauge("embedcar_cache_entries", "Entries in the model's embedding cache.", m,
                                    registry=r)
         self.model_switches = Counter("embedcar_model_switches", "Served model versions switched by a rollout "
@@ -147,6 +152,9 @@ class Metrics:
 
     def for_model(self, model: str, version: str) -> ModelMetrics:
         return ModelMetrics(self, model, version)
+
+    def observe_listener(self, listener: str, up: bool) -> None:
+        self.listener_up.labels(listener).set(1 if up else 0)
 
     def observe_gc_pause(self, generation: int, seconds: float) -> None:
         self._gc_pause[min(generation, 2)].observe(seconds)
@@ -167,7 +175,6 @@ class ModelMetrics:
         self.batch_size = metrics.batch_size.labels(model, version)
         self.passes_on_loop = metrics.forward_passes.labels(model, version, "loop")
         self.passes_on_worker = metrics.forward_passes.labels(model, version, "worker")
-        self.passes_on_front = metrics.forward_passes.labels(model, version, "front")
         self.backend_up = metrics.backend_up.labels(model, version)
         self.cache_entries = metrics.cache_entries.labels(model, version)
         self.rejected_admission = metrics.rejections.labels("admission")

@@ -5,10 +5,6 @@
 
 Each stage is a small method with its own timing (sidecar.timings.Timings). Auth, rate limits and
 the index live in sidecar.service; the gRPC and HTTP layers only convert types.
-
-`EmbedPipeline.run_now` drives the same stages for one text that needs no waiting, on the calling
-thread: the compiled gRPC front's, while the event loop sleeps (sidecar.native_front); it hands the
-request back to `run` where a stage would wait (a worker thread, a shared computation, a queue).
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from inference.tokenizer import Encoded, QueryTokenizer
 from sidecar.admission import Admission, Ticket
 from sidecar.cache import EmbeddingCache, Entry
 from sidecar.metrics import ModelMetrics
-from sidecar.scheduler import Computed, NotNow, Scheduler
+from sidecar.scheduler import Computed, Scheduler
 from sidecar.timings import Timings
 
 # Tokenizing one short query takes ~16 µs, less than a thread hop: only big batches leave the loop,
@@ -105,53 +101,6 @@ class EmbedPipeline:
         if found.joined:
             await self.join(found, deadline)
         out = self.assemble(found, len(clean))
-        out.backend = backend
-        return out
-
-    def run_now(self, texts: Sequence[object], deadline: float, tm: Timings,
-                partition: str | None = None) -> Embedded | None:
-        """`run`'s stages on the calling thread, for one text that needs no waiting: a cache hit, or a miss
-        no other request is computing while the scheduler can run it at once (Scheduler.can_run_now: the
-        idle micro-batcher, or a Triton call this thread waits for while the loop runs meanwhile).
-        None, with nothing counted, where a stage would wait: the caller then awaits `run` on the loop.
-        Only while the loop cannot run (sidecar.event_loop): the cache, batcher and admission are its."""
-        if len(texts) != 1:
-            return None
-        t0 = time.perf_counter_ns()
-        clean = self.validate(texts)
-        if len(clean[0]) > self.one_text_on_loop:
-            return None  # the loop is stopped while this runs: `run` normalises it on a worker thread
-        found = self.find(self.normalise(clean), partition)
-        if found.rows and (any(self.cache.joinable(key) is not None for key in found.rows)
-                           or not self.scheduler.can_run_now()):
-            return None  # a shared computation to join, or a queue to wait in
-        tm.cache = time.perf_counter_ns() - t0
-        backend = ""
-        if found.rows:
-            t1 = time.perf_counter_ns()
-            keys = list(found.rows)
-            try:
-                enc = self.tokenizer.encode([found.texts[key] for key in keys])
-                calls, ticket = self.plan(enc, deadline)
-                tm.tokenize = time.perf_counter_ns() - t1
-                try:
-                    results = self.schedule_now(calls, enc, deadline)
-                finally:
-                    self.admission.release(ticket)
-            except NotNow:
-                return None  # counted by `run` on the loop
-            except BaseException as exc:
-                self.count(found, 1)
-                self._record_error(exc)
-                raise
-            self.count(found, 1)
-            for key, entry in self.entries(keys, calls, results, enc):
-                found.entries[key] = entry
-                self.cache.put(key, entry)
-            backend = self.answered(results, tm)
-        else:
-            self.count(found, 1)
-        out = self.assemble(found, 1)
         out.backend = backend
         return out
 
@@ -282,10 +231,6 @@ class EmbedPipeline:
             return [await run(bucket, [enc.ids[i] for i in chunk], deadline)]
         return list(await asyncio.gather(*(run(bucket, [enc.ids[i] for i in chunk], deadline)
                                            for bucket, chunk in calls)))
-
-    def schedule_now(self, calls: list[tuple[int, list[int]]], enc: Encoded, deadline: float) -> list[Computed]:
-        """`schedule` on the calling thread (after Scheduler.can_run_now); NotNow: hand it to `run`."""
-        return [self.scheduler.run_now(bucket, [enc.ids[i] for i in chunk], deadline) for bucket, chunk in calls]
 
     async def join(self, found: Lookup, deadline: float) -> None:
         """Wait for the computations this request joined, within its own deadline."""

@@ -132,12 +132,6 @@ class EmbedService:
         out = await call.served.pipeline.run(texts, call.deadline, call.timings, call.partition)
         return self._embedded(call, out)
 
-    def embed_now(self, call: Call, texts: Sequence[object]) -> EmbedOutcome | None:
-        """`embed_call` on the calling thread where its pipeline can answer without waiting
-        (EmbedPipeline.run_now); None: finish it with `embed_call` on the loop (the same `call`)."""
-        out = call.served.pipeline.run_now(texts, call.deadline, call.timings, call.partition)
-        return None if out is None else self._embedded(call, out)
-
     @staticmethod
     def _embedded(call: Call, out: Embedded) -> EmbedOutcome:
         tm = call.timings

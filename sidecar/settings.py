@@ -17,15 +17,22 @@ class SidecarSettings:
     host: str = setting("127.0.0.1", "Address the sidecar binds to; non-loopback requires API keys.")
     grpc_port: int = setting(50051, "Sidecar gRPC port (0 = pick a free one).", min=0, max=PORT_MAX)
     uds_path: Path | None = setting(
-        None, "Also serve gRPC on this Unix socket, mode 0660 (same-host callers; access by file permissions)."
+        None, "Also serve gRPC on this Unix socket, mode 0660 (same-host callers; access by file permissions). "
+        "A bare file name (`grpc.sock`) is in this user's private folder, created 0700: $XDG_RUNTIME_DIR/embedcar, "
+        "else var/run in the data home. Any other path is taken as given; its folder must belong to this user "
+        "(or root) with nobody else allowed to write to it, so a world-writable folder such as /tmp is refused: "
+        "another user could bind the name first and receive callers' API keys. Empty = off."
     )
-    grpc_server: str = setting(
-        "compiled", "What serves grpc_port (and uds_path): `compiled` = the compiled front (gRPC's C++ library, "
-        "built on first use; sidecar/native_front.py) answers Embed, Search and Stream, a one-text query that "
-        "needs no waiting on the gRPC thread that took it; health is gRPC C++'s own service and reflection is "
-        "answered in-process; ~1 ms less CPU per query on a slow 2-vCPU host (docs/benchmarks.md). "
-        "`aio` = grpc.aio alone. Where the front cannot be built (no g++ or libgrpc++) the sidecar says so "
-        "and serves with grpc.aio.", choices=("compiled", "aio"), advanced=True)
+    grpc_max_connections: int = setting(
+        1000, "gRPC connections open at once, TCP and the Unix socket together: past it gRPC closes a new "
+        "connection as soon as it is accepted (the caller reconnects later). Lowered with http_max_connections "
+        "where the open-files limit (raised to its hard limit at start) would not hold both.", min=1,
+        max=INT32_MAX, advanced=True)
+    listener_dead_s: float = setting(
+        60.0, "The sidecar checks each of its listeners (gRPC port, Unix socket, HTTP port) on a new connection "
+        "every 2 s: health says NOT_SERVING while one does not answer, and one silent this long ends the process "
+        "(exit status 70, one log line) so that its supervisor restarts it. 0 = never exit.", min=0,
+        advanced=True)
     http_port: int = setting(8080, "HTTP facade port (0 = pick a free one, -1 = off).", min=-1, max=PORT_MAX)
     http_header_timeout_s: float = setting(
         10.0, "HTTP: a request's header block must be complete this long after the connection opened or its "
@@ -37,8 +44,15 @@ class SidecarSettings:
         min=0.01, advanced=True)
     http_max_connections: int = setting(
         1024, "HTTP connections open at once: past it a new one closes the connection that has waited longest "
-        "without a request in progress (idle keep-alive, or a header block still coming), else it is answered "
-        "503 and closed, never queued.", min=1, advanced=True)
+        "without a request in progress (idle keep-alive, or a header block still coming) or with a reply the "
+        "client has left unread for 1 s, else it is answered 503 and closed, never queued.", min=1, advanced=True)
+    http_write_timeout_s: float = setting(
+        10.0, "HTTP: a connection whose reply the client leaves unread this long (bytes the kernel would not take, "
+        "none of them taken since) is aborted and its buffers freed. Nothing more is written to a connection "
+        "while any of its reply is unsent: it holds one reply at most.", min=0.01, advanced=True)
+    http_max_pipelined: int = setting(
+        32, "HTTP: requests one connection may send ahead of the reply it is owed (pipelining), their bytes within "
+        "max_message_bytes together: past either the connection is aborted.", min=1, advanced=True)
     models: tuple[str, ...] = setting(
         (), "Models this sidecar serves (prepared directories under model.models_dir), the first the default; "
         "a request names one with its `model` field (gRPC) or body (HTTP). Empty = model.name alone."

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +12,6 @@ from inference.backends.onnx import OnnxBackend
 from inference.embedder import load_tokenizer
 from inference.manifest import Manifest, load_manifest
 from inference.tokenizer import QueryTokenizer
-from sidecar import native_front
 
 pytest_plugins = [
     "tests.fixtures_triton",
@@ -22,11 +20,6 @@ pytest_plugins = [
     "tests.fixtures_demo",
     "tests.fixtures_loadtest",
 ]
-
-# Set by tests/test_front_sanitizer.py for its inner run: the compiled front built with sanitizers.
-SANITIZE_ENV = "EMBEDCAR_TEST_SANITIZE"
-if os.environ.get(SANITIZE_ENV):
-    native_front.BUILD_FLAGS = native_front.SANITIZE_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"

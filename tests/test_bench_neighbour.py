@@ -160,14 +160,9 @@ def test_each_embedded_configuration_states_every_lever() -> None:
     d, sc = ModelSettings(), SidecarSettings()
     assert embedded_env("default") == {"EMBEDCAR_MODEL_INTRA_OP_THREADS": str(d.intra_op_threads),
                                        "EMBEDCAR_SIDECAR_ALLOCATOR": sc.allocator,
-                                       "EMBEDCAR_SIDECAR_GRPC_SERVER": sc.grpc_server,
                                        "GRPC_EXPERIMENTS": POLLING_IO}
     assert embedded_env("event-engine")["GRPC_EXPERIMENTS"] == ""  # gRPC's own default I/O
     assert embedded_env("stream") == embedded_env("default")  # only the RPC differs
-    aio = embedded_env("aio")
-    assert aio["EMBEDCAR_SIDECAR_GRPC_SERVER"] == "aio" != sc.grpc_server
-    assert aio == embedded_env("default") | {"EMBEDCAR_SIDECAR_GRPC_SERVER": "aio"}
-    assert embedded_env("stream-aio") == embedded_env("triton-aio") == aio  # only the RPC or backend differs
     assert embedded_env("triton") == embedded_env("default")
     system = embedded_env("default") | {"EMBEDCAR_SIDECAR_ALLOCATOR": "system"}
     assert embedded_env("system-malloc") == embedded_env("triton-system-malloc") == system
@@ -194,7 +189,7 @@ def test_model_tally_runs_in_the_floors_own_process_and_counts_its_cpu(model_dir
 @pytest.mark.slow
 def test_bench_neighbour_end_to_end(tmp_path: Path, model_dir: Path) -> None:
     out = tmp_path / "report"
-    configs = ["model-2t", "default", "stream", "aio"]
+    configs = ["model-2t", "default", "stream", "system-malloc"]
     rc = cli_main(["bench", "neighbour", "--models-dir", str(model_dir.parent), "--variant", "int8",
                    "--configs", ",".join(configs), "--rate", "20", "--duration", "2", "--pairs", "2",
                    "--warmup", "0.5", "--idle", "0.5", "--items", "2000", "--embedded-items", "32", "--out", str(out),
@@ -219,8 +214,8 @@ def test_bench_neighbour_end_to_end(tmp_path: Path, model_dir: Path) -> None:
         assert row["model_paired"]["requests"] == 40 and row["model_paired"]["threads"] >= 1
         assert row["model_paired"]["pid"] not in (None, os.getpid())
         assert 0 < row["model_paired"]["cpu_ms_per_query"] < 1_000
-    aio = result["rows"][3]
-    assert aio["rpc"] == "unary" and aio["env"] == default["env"] | {"EMBEDCAR_SIDECAR_GRPC_SERVER": "aio"}
+    system = result["rows"][3]
+    assert system["rpc"] == "unary" and system["env"] == default["env"] | {"EMBEDCAR_SIDECAR_ALLOCATOR": "system"}
     assert 0 <= default["idle_core_share"] < 1
     rows = [line for line in (out / "neighbour.md").read_text().splitlines() if line.startswith("| ")][1:]
     assert [r.split("|")[1].strip().split(" ")[0] for r in rows] == configs

@@ -12,6 +12,7 @@ import pytest
 from inference import native_cache
 from inference.cli_main import main as cli_main
 from inference.errors import Unavailable
+from loadtest import native_build
 from loadtest.bench.transport import (
     COMPILED_SERVERS,
     ECHO_MODULE,
@@ -22,7 +23,6 @@ from loadtest.bench.transport import (
     markdown,
     run,
 )
-from sidecar import native_build
 from tests.components import native_available
 
 # The compiled sender's rows where it builds here (tests/test_loadtest_native.py says why not), and

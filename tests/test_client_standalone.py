@@ -18,7 +18,7 @@ from sidecar.timings import STAGES
 
 PROJECT = ("inference", "catalog", "sidecar", "demo_ui", "loadtest", "embedcar_settings", "embedcar_docs")
 MAX_MODULES = 12
-SERVER = ("sidecar.grpc_server", "sidecar.native_front", "sidecar.pipeline", "sidecar.batcher", "sidecar.service",
+SERVER = ("sidecar.grpc_server", "sidecar.listeners", "sidecar.pipeline", "sidecar.batcher", "sidecar.service",
           "sidecar.app", "sidecar.timings", "inference.backends", "catalog")
 # grpc imports grpc_tools, grpc_health and grpc_reflection where they are installed (its optional
 # `grpc.tools`, `grpc.health` aliases); typing_extensions is grpcio's; cython_runtime is built in.

@@ -1,6 +1,6 @@
 """sidecar.calls: one request path for every transport. A bug in a handler answers INTERNAL (HTTP 500) on
-grpc.aio, the compiled front and HTTP, unary and Stream alike, its traceback logged once per request; a
-keyed request has its key checked once and takes one rate-limit token, whatever the transport."""
+gRPC and HTTP, unary and Stream alike, its traceback logged once per request; a keyed request has its key
+checked once, before its bytes are decoded, and takes one rate-limit token, whatever the transport."""
 
 from __future__ import annotations
 
@@ -9,21 +9,22 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 
 from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import Internal, InvalidInput
+from sidecar import calls
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.calls import failure
 from sidecar.client import AsyncClient, Client
 from sidecar.metrics import Metrics
-from sidecar.native_front import unavailable_reason
+from sidecar.wire import SERVICE
 from tests.fixtures_sidecar import sidecar_settings
 
 KEY = "calls-key-1f2e3d4c5b6a"
-WHY_NOT = unavailable_reason()
 
 
 def test_failure_logs_a_bugs_traceback_once_and_counts_it(caplog: pytest.LogCaptureFixture) -> None:
@@ -46,20 +47,9 @@ def test_failure_logs_a_bugs_traceback_once_and_counts_it(caplog: pytest.LogCapt
 
 @pytest.fixture(scope="module")
 def keyed(settings: Settings, onnx_backend: OnnxBackend) -> Iterator[Sidecar]:
-    """grpc.aio on the main port, and HTTP: one key."""
-    s = sidecar_settings(settings, grpc_server="aio", api_keys=f"shop={KEY}")
+    """gRPC and HTTP: one key."""
+    s = sidecar_settings(settings, api_keys=f"shop={KEY}")
     with SidecarThread(s, backend=onnx_backend) as sc:
-        yield sc
-
-
-@pytest.fixture(scope="module")
-def keyed_front(settings: Settings, onnx_backend: OnnxBackend) -> Iterator[Sidecar]:
-    """The compiled front on the main port: the same key."""
-    if WHY_NOT is not None:
-        pytest.skip(f"the compiled front cannot build here: {WHY_NOT}")
-    s = sidecar_settings(settings, http_port=-1, grpc_server="compiled", api_keys=f"shop={KEY}")
-    with SidecarThread(s, backend=onnx_backend) as sc:
-        assert sc.grpc_server == "compiled"
         yield sc
 
 
@@ -85,44 +75,55 @@ def _counting(monkeypatch: pytest.MonkeyPatch, obj: Any, name: str) -> list[int]
     return calls
 
 
-def test_a_keyed_request_checks_its_key_once_and_takes_one_token(keyed: Sidecar, keyed_front: Sidecar,
+def test_a_keyed_request_checks_its_key_once_and_takes_one_token(keyed: Sidecar,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     checked = _counting(monkeypatch, keyed.service.keys, "tenant_for")
     tokens = _counting(monkeypatch, keyed.service.limiter, "take")
     r = _http_embed(keyed, "sparkling water lime")
     assert r.status_code == 200, r.text
     assert (len(checked), len(tokens)) == (1, 1)
-    for i, sc in enumerate((keyed, keyed_front)):
-        checked = _counting(monkeypatch, sc.service.keys, "tenant_for")
-        tokens = _counting(monkeypatch, sc.service.limiter, "take")
-        target = sc.grpc_target
-        with Client(target, api_key=KEY) as c:
-            c.embed([f"rye crackers {i}"])
-        assert (len(checked), len(tokens)) == (1, 1), target
+    checked = _counting(monkeypatch, keyed.service.keys, "tenant_for")
+    tokens = _counting(monkeypatch, keyed.service.limiter, "take")
+    with Client(keyed.grpc_target, api_key=KEY) as c:
+        c.embed(["rye crackers"])
+    assert (len(checked), len(tokens)) == (1, 1)
 
 
-def test_a_bug_is_internal_on_every_transport_and_logged_once(keyed: Sidecar, keyed_front: Sidecar,
+def test_no_byte_of_an_unauthenticated_request_is_decoded(keyed: Sidecar, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrong key is refused before the request's bytes are parsed, whatever they hold (unary gRPC)."""
+    decoded = _counting(monkeypatch, calls, "decode")
+    for rpc in ("Embed", "Search"):
+        with grpc.insecure_channel(keyed.grpc_target) as ch:
+            call = ch.unary_unary(f"/{SERVICE}/{rpc}")
+            for key in (None, "wrong-key-0123456789"):
+                metadata = (("x-api-key", key),) if key else None
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(b"\xff" * 64, timeout=10, metadata=metadata)  # not even a valid message
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, (rpc, key)
+            with pytest.raises(grpc.RpcError) as bad:
+                call(b"\xff" * 64, timeout=10, metadata=(("x-api-key", KEY),))
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(decoded) == 2  # the keyed calls' only
+
+
+def test_a_bug_is_internal_on_every_transport_and_logged_once(keyed: Sidecar,
                                                                monkeypatch: pytest.MonkeyPatch,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     def broken(*_args: Any, **_kwargs: Any) -> Any:
         raise ZeroDivisionError("a bug")
 
-    # Both the loop's path and the compiled front's on its own thread.
-    for sc in (keyed, keyed_front):
-        monkeypatch.setattr(sc.service, "embed_call", broken)
-        monkeypatch.setattr(sc.service, "embed_now", broken)
+    monkeypatch.setattr(keyed.service, "embed_call", broken)
     caplog.set_level(logging.ERROR, logger="sidecar.calls")
     answers: list[object] = []
     r = _http_embed(keyed, "plum jam")
     answers.append(r.status_code)
     assert r.json()["error"] == {"message": "unexpected error: ZeroDivisionError", "type": Internal.code}
-    for target in (keyed.grpc_target, keyed_front.grpc_target):
-        with Client(target, api_key=KEY) as c, pytest.raises(Internal, match="ZeroDivisionError"):
-            c.embed(["plum jam"])
-        answers.append("unary")
-        with pytest.raises(Internal, match="ZeroDivisionError"):
-            asyncio.run(_stream_embed(target, "plum jam"))
-        answers.append("stream")
-    assert answers == [500, "unary", "stream", "unary", "stream"]
+    with Client(keyed.grpc_target, api_key=KEY) as c, pytest.raises(Internal, match="ZeroDivisionError"):
+        c.embed(["plum jam"])
+    answers.append("unary")
+    with pytest.raises(Internal, match="ZeroDivisionError"):
+        asyncio.run(_stream_embed(keyed.grpc_target, "plum jam"))
+    answers.append("stream")
+    assert answers == [500, "unary", "stream"]
     bugs = [r for r in caplog.records if r.exc_info is not None and r.exc_info[0] is ZeroDivisionError]
-    assert len(bugs) == 5  # one traceback per request, whichever transport brought it
+    assert len(bugs) == 3  # one traceback per request, whichever transport brought it

@@ -164,14 +164,12 @@ def test_stream_messages_past_the_in_flight_cap_are_refused(settings: Settings, 
     assert [r.id for r in rest] == [1] and rest[0].WhichOneof("result") == "embed"
 
 
-@pytest.mark.parametrize(("server", "refusal"), [("aio", Shed), ("compiled", Overloaded)])
-def test_calls_past_the_backlog_are_refused_while_the_event_loop_is_stuck(
-        settings: Settings, model_dir: object, server: str, refusal: type[Exception]) -> None:
+def test_calls_past_the_backlog_are_refused_while_the_event_loop_is_stuck(settings: Settings,
+                                                                          model_dir: object) -> None:
     """The loop blocked (a long pause, a CPU-starved process): calls past the backlog are refused while no
-    Python can run on it, by gRPC's C core (grpc.aio: the client reads Shed) or on the compiled front's
-    thread (RESOURCE_EXHAUSTED with a retry-after: Overloaded); those within it are served after."""
-    n, backlog = 40, 2
-    runner = SidecarThread(sidecar_settings(settings, transport_backlog=backlog, grpc_server=server))
+    Python can run on it, by gRPC's C core (the client reads Shed); those within it are served after."""
+    n, backlog, refusal = 40, 2, Shed
+    runner = SidecarThread(sidecar_settings(settings, transport_backlog=backlog))
     with runner as sc, grpc.insecure_channel(sc.grpc_target) as ch:
         embed = ch.unary_unary("/embedcar.v1.Embedder/Embed")
         embed(pb.EmbedRequest(texts=["warm"]).SerializeToString(), timeout=20)  # connected and warm

@@ -26,7 +26,6 @@ from inference.tokenizer import QueryTokenizer
 from sidecar import app
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.client import AsyncClient, Client
-from sidecar.native_front import unavailable_reason
 from sidecar.settings import Settings as SidecarAppSettings
 from tests.conftest import ROOT
 from tests.fixtures_sidecar import sidecar_settings
@@ -138,8 +137,7 @@ def _serve_args(settings: Settings, *args: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [
-    ("--grpc-server", "compiled", "--grpc-port", "{busy}", "--http-port", "-1"),
-    ("--grpc-server", "aio", "--grpc-port", "{busy}", "--http-port", "-1"),
+    ("--grpc-port", "{busy}", "--http-port", "-1"),
     ("--grpc-port", "0", "--http-port", "{busy}"),
 ])
 def test_a_port_in_use_is_one_line_naming_its_flag_and_port(settings: Settings, busy_port: int,
@@ -171,18 +169,14 @@ def no_precheck(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(app, "check_listenable", lambda *_a, **_k: None)
 
 
-@pytest.mark.parametrize(("server", "changes", "flag"), [
-    ("aio", {"grpc_port": "busy"}, "--grpc-port"),
-    ("compiled", {"grpc_port": "busy"}, "--grpc-port"),
-    ("aio", {"http_port": "busy"}, "--http-port"),
+@pytest.mark.parametrize(("changes", "flag"), [
+    ({"grpc_port": "busy"}, "--grpc-port"),
+    ({"http_port": "busy"}, "--http-port"),
 ])
 @pytest.mark.usefixtures("no_precheck")
 def test_each_server_s_own_bind_failure_names_its_flag_and_port(
-        settings: Settings, onnx_backend: OnnxBackend, busy_port: int, server: str, changes: dict[str, str],
-        flag: str) -> None:
-    if server == "compiled" and (why := unavailable_reason()) is not None:
-        pytest.skip(f"the compiled front does not build here: {why}")
-    s = sidecar_settings(settings, **({"grpc_server": server, "http_port": -1} | {k: busy_port for k in changes}))
+        settings: Settings, onnx_backend: OnnxBackend, busy_port: int, changes: dict[str, str], flag: str) -> None:
+    s = sidecar_settings(settings, **({"http_port": -1} | {k: busy_port for k in changes}))
     with pytest.raises(EmbedcarError) as err, SidecarThread(s, backend=onnx_backend):
         pass
     assert err.value.message.startswith(f"{flag} {busy_port}: cannot listen on 127.0.0.1:{busy_port}: ")

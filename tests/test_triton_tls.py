@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -399,31 +400,13 @@ def test_sidecar_embeds_and_searches_through_hardened_triton(hs: Settings, groce
         assert [h.id for h in c.search(["oat milk"], k=5).hits[0]] == hits and len(hits) == 5
 
 
-def test_the_compiled_fronts_own_triton_calls_go_over_tls_with_the_key(hs: Settings, onnx_backend: OnnxBackend,
-                                                                       tokenizer: QueryTokenizer) -> None:
-    """The compiled gRPC front calls a hardened Triton itself (its blocking client): TLS with the pool's
-    CA and the client key's header, as the asynchronous client does."""
-    from sidecar.native_front import unavailable_reason
-    from tests.test_sidecar_native_front import front_target, passes
-
-    if (why := unavailable_reason()) is not None:
-        pytest.skip(f"the compiled front cannot build here: {why}")
-    s = sidecar_settings(hs.with_section("triton", timeout_ms=30_000), backend="triton",
-                         http_port=-1, grpc_server="compiled", cache_entries=0, embedded_fallback=False)
-    with SidecarThread(s) as sc, Client(front_target(sc)) as c:
-        before = passes(sc, "front")
-        r = c.embed(["organic whole milk"])
-        assert r.backend == "triton" and passes(sc, "front") == before + 1  # called from the front's thread
-        want = onnx_backend.embed_sync(tokenizer.batch(tokenizer.encode(["organic whole milk"]).ids, length=16))
-        assert float(np.sum(r.embeddings[0] * want[0])) >= 0.9999
-
-
 def test_compose_triton_command_serves_hardened(settings: Settings, model_dir: Path, pool: PoolFiles,
                                                 tmp_path: Path) -> None:
-    """docker-compose.yml's Triton command line, run by /bin/sh as compose would (keys via `$(cat …)`),
-    against the wheel's tritonserver: it starts, refuses a call without the key and serves one with it.
-    Only what a machine without Docker and a GPU must change is changed: binary, repository, ports,
-    certificate folder, loopback instead of the container's 0.0.0.0."""
+    """docker-compose.yml's Triton command, run as compose would (the keys read from their files by
+    inference.triton.argv_secrets, placeholders on the command line), against the wheel's tritonserver: it
+    starts, refuses a call without the key and serves one with it, and `ps` shows no key. Only what a
+    machine without Docker and a GPU must change is changed: binary, repository, ports, certificate
+    folder, loopback instead of the container's 0.0.0.0, this Python and this checkout for the container's."""
     yaml: Any = importlib.import_module("yaml")  # untyped, as in tests/test_compose.py
     from inference.manifest import load_manifest
     from inference.triton.launcher import assemble_backend_dir, pytriton_root
@@ -432,8 +415,7 @@ def test_compose_triton_command_serves_hardened(settings: Settings, model_dir: P
 
     require_triton()
     root = Path(__file__).resolve().parent.parent
-    entry = " ".join(yaml.safe_load((root / "docker-compose.yml").read_text())["services"]["triton"]["entrypoint"])
-    script = entry.split(" -c ", 1)[1].replace("$$", "$")
+    service = yaml.safe_load((root / "docker-compose.yml").read_text())["services"]["triton"]
     binary = pytriton_root()
     assert binary is not None
     s = settings.with_section("triton", repo_dir=tmp_path / "repo")
@@ -441,18 +423,26 @@ def test_compose_triton_command_serves_hardened(settings: Settings, model_dir: P
     repo = generate_repository(s, manifest, model_dir, target="cpu", variant="fp32", out_dir=tmp_path / "repo-cpu-fp32")
     ensemble = served_names(manifest, "fp32").ensemble
     ports = {p: free_port() for p in ("8001", "8000", "8002")}
-    script = script.replace("exec tritonserver", f"exec {binary / 'bin' / 'tritonserver'}")
-    script = script.replace("--model-repository=/repo", f"--model-repository={repo} "
-                            f"--backend-directory={assemble_backend_dir(tmp_path / 'backends')} "
-                            f"--backend-config=python,shm-region-prefix-name=embedcar_compose_{os.getpid()}_")
-    script = script.replace("/secrets/triton", str(pool.dirs["triton-a"])).replace("0.0.0.0", "127.0.0.1")
-    for old, new in ports.items():
-        script = re.sub(rf"(--\w+-port=){old}\b", rf"\g<1>{new}", script)
-    env = TritonServer(s)._env()
+    command: list[str] = []
+    for arg in (str(a) for a in service["entrypoint"]):
+        if arg == "python3":
+            command.append(sys.executable)
+        elif arg == "tritonserver":
+            command.append(str(binary / "bin" / "tritonserver"))
+        elif arg == "--model-repository=/repo":
+            backends = assemble_backend_dir(tmp_path / "backends")
+            command += [f"--model-repository={repo}", f"--backend-directory={backends}",
+                        f"--backend-config=python,shm-region-prefix-name=embedcar_compose_{os.getpid()}_"]
+        else:
+            arg = arg.replace("/secrets/triton", str(pool.dirs["triton-a"])).replace("0.0.0.0", "127.0.0.1")
+            for old, new in ports.items():
+                arg = re.sub(rf"^(--\w+-port=){old}$", rf"\g<1>{new}", arg)
+            command.append(arg)
+    assert service["working_dir"] == "/opt/embedcar"  # where the container mounts inference/: this checkout
+    env = TritonServer(s)._env() | {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     log = (tmp_path / "compose-triton.log").open("wb")
-    proc = subprocess.Popen(["/bin/sh", "-c", script], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    key, _op = _keys(pool)
+    proc = subprocess.Popen(command, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    key, op = _keys(pool)
     cert, ckey = pool.clients["sidecar"]
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['8001']}", ssl=True,
                                               root_certificates=str(pool.ca_cert), certificate_chain=str(cert),
@@ -476,6 +466,10 @@ def test_compose_triton_command_serves_hardened(settings: Settings, model_dir: P
         with urllib.request.urlopen(f"http://127.0.0.1:{ports['8000']}/v2/health/ready", timeout=5) as r:
             assert r.status == 200  # the compose healthcheck's call
         assert key not in (tmp_path / "compose-triton.log").read_text()
+        # The launcher exec'd tritonserver (one process): what `ps` shows holds placeholders, not keys.
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert b"tritonserver" in cmdline and b"@@EMBEDCAR_SECRET_0@@" in cmdline
+        assert key.encode() not in cmdline and op.encode() not in cmdline
     finally:
         client.close()
         with contextlib.suppress(ProcessLookupError):

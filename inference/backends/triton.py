@@ -15,10 +15,6 @@ The hot path builds Triton's `ModelInferRequest` itself, with the ids as raw lit
 and reads the embedding straight from `raw_output_contents`: tritonclient's aio client does the
 same on the wire but cost ~0.35 ms more per call on the reference machine (InferInput/InferResult
 wrapping), a quarter of the Triton hop's whole budget (docs/benchmarks.md).
-
-`embed_blocking` makes the same call from a thread that waits for it, through channels the caller
-provides (`use_blocking_channels`): the sidecar's compiled gRPC front makes a sparse query's Triton
-call on the gRPC thread that took it, without waking the event loop (sidecar/native_front.py).
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from inference.backends.base import Backend, BlockingCall, BlockingCalls, CallFailed, Embeddings, OpenChannel
+from inference.backends.base import Backend, Embeddings
 from inference.errors import DeadlineExceeded, EmbedcarError, FailedPrecondition, Internal, InvalidInput, Unavailable
 from inference.manifest import Manifest
 from inference.tokenizer import TokenBatch
@@ -82,8 +78,6 @@ def map_error(exc: Exception, url: str) -> EmbedcarError:
         return DeadlineExceeded(f"Triton {url}: deadline exceeded")
     if isinstance(exc, grpc.aio.AioRpcError):
         status, msg = str(exc.code()), f"Triton {url}: {exc.details()}"
-    elif isinstance(exc, CallFailed):
-        status, msg = exc.code, f"Triton {url}: {exc.details}"
     elif isinstance(exc, InferenceServerException):
         status, msg = str(exc.status() or ""), f"Triton {url}: {exc.message()}"
     else:
@@ -127,7 +121,6 @@ class _Endpoint:
     down_since: float = 0.0
     answered: float = float("-inf")  # when a request last succeeded here (time.monotonic)
     error: EmbedcarError | None = None  # why the latest probe failed (start-up names it)
-    blocking: BlockingCall | None = None  # embed_blocking's channel, opened on first use
 
 
 class TritonBackend(Backend):
@@ -160,7 +153,6 @@ class TritonBackend(Backend):
         self._input_types: dict[str, Any] = {}
         self._prefixes: dict[tuple[int, int], bytes] = {}  # a request's fields that depend on its shape only
         self._started = False
-        self._open_blocking: OpenChannel | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     def _channel_options(self) -> list[tuple[str, int | str]]:
@@ -194,12 +186,6 @@ class TritonBackend(Backend):
         infer = channel.unary_unary(MODEL_INFER, request_serializer=None,
                                     response_deserializer=pb.ModelInferResponse.FromString)
         return _Endpoint(url, channel, service_pb2_grpc.GRPCInferenceServiceStub(channel), infer)
-
-    def use_blocking_channels(self, open_channel: OpenChannel | None) -> None:
-        """Let `embed_blocking` call each URL through a channel `open_channel` opens (None: no more)."""
-        self._open_blocking = open_channel
-        for ep in self._endpoints:
-            ep.blocking = None
 
     async def start(self) -> None:
         """Connect to every URL, learn the ensemble's input types, fail if none is ready."""
@@ -351,7 +337,6 @@ class TritonBackend(Backend):
                 await self._probe_task
             self._probe_task = None
         for ep in self._endpoints:
-            ep.blocking = None
             with contextlib.suppress(Exception):
                 await ep.channel.close()
         self._endpoints = []
@@ -433,41 +418,6 @@ class TritonBackend(Backend):
                 self._mark(ep, False)
                 failed.append((err, exc))
                 continue  # another URL may be up; embeddings are idempotent, so retry is safe
-            return self._answered(ep, reply, batch.shape[0])
-        raise all_failed(failed)
-
-    def blocking(self) -> BlockingCalls:
-        return self
-
-    def blocking_ready(self) -> bool:
-        return self._open_blocking is not None and self.ready()
-
-    def embed_blocking(self, batch: TokenBatch, *, timeout_s: float | None = None) -> Embeddings:
-        """`embed` through the blocking channels (use_blocking_channels), waiting in this thread, over
-        the URLs that are up. Outages stay the asynchronous client's and the probes' to decide: a URL
-        that does not answer here is not marked down (its blocking channel may still be backing off
-        after a restart the probes have seen); Unavailable when none answered."""
-        from tritonclient.grpc import service_pb2 as pb
-
-        open_channel = self._open_blocking
-        if open_channel is None:
-            raise Unavailable("the Triton backend was given no blocking channels")
-        raw, timeout = self._checked(batch, timeout_s)
-        md = self._md or ()
-        failed: list[tuple[EmbedcarError, Exception]] = []
-        for ep in self._order():
-            if not ep.up:
-                continue
-            try:
-                if ep.blocking is None:
-                    ep.blocking = open_channel(ep.url, self._channel_options(), self.credentials)
-                reply = pb.ModelInferResponse.FromString(ep.blocking(MODEL_INFER, raw, timeout, md))
-            except Exception as exc:
-                err = map_error(exc, ep.url)
-                if not isinstance(err, Unavailable | CredentialsRefused):
-                    raise err from exc
-                failed.append((err, exc))
-                continue
             return self._answered(ep, reply, batch.shape[0])
         raise all_failed(failed)
 

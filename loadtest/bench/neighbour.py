@@ -32,18 +32,13 @@ are gone: their figures are in docs/benchmarks.md, and a report of them still re
   every-core          + model.intra_op_threads=<cores>: every pass on every core, not chosen
   event-engine        + GRPC_EXPERIMENTS="" (gRPC's own default I/O: sockets on EventEngine threads,
                       which the sidecar turns off, inference.grpc_io)
-  aio                 + sidecar.grpc_server=aio: grpc.aio serves the main port (the default before the
-                      compiled front took it, sidecar/native_front.py)
   stream              the defaults, each query a message on one open `Stream` call (how a search node
-                      that keeps a stream open calls) instead of a unary Embed call, served by
-                      the compiled front
-  stream-aio          the same on a grpc.aio main port (sidecar.grpc_server=aio)
+                      that keeps a stream open calls) instead of a unary Embed call
   system-malloc       + sidecar.allocator=system: the C library's malloc instead of mimalloc
                       (sidecar/allocator.py; the same as `default` where mimalloc is not installed)
   triton              the sidecar over a local tritonserver (CPU, Python backend); skipped, saying
                       why, where the binary cannot run. Its sidecar CPU excludes tritonserver's
                       (a separate column)
-  triton-aio          the same with sidecar.grpc_server=aio (grpc.aio on the main port)
   triton-system-malloc  the `triton` row with sidecar.allocator=system
 
 Verdicts (issue #25's targets; a benchmark, not a gate: exit 0 whatever they say), per sidecar row,
@@ -86,30 +81,27 @@ log = logging.getLogger(__name__)
 Record = dict[str, Any]
 
 # The embedded path's levers this bench compares: ("section.field", value) per configuration.
-LEVERS = ("model.intra_op_threads", "sidecar.allocator", "sidecar.grpc_server")
-AIO: dict[str, object] = {"sidecar.grpc_server": "aio"}
+LEVERS = ("model.intra_op_threads", "sidecar.allocator")
 SYSTEM_MALLOC: dict[str, object] = {"sidecar.allocator": "system"}
 EMBEDDED: dict[str, dict[str, object]] = {
     "default": {},
-    "aio": AIO,
     "every-core": {"model.intra_op_threads": os.cpu_count() or 1},
     "event-engine": {EXPERIMENTS: ""},
     "stream": {},  # the defaults; its calls go on the Stream RPC (STREAMED)
-    "stream-aio": AIO,
     "system-malloc": SYSTEM_MALLOC,
 }
 MODEL = {"model-1t": 1, "model-2t": 0}  # ORT threads (0 = every core)
 # The sidecar over a local tritonserver.
-TRITON = {"triton": {}, "triton-aio": AIO, "triton-system-malloc": SYSTEM_MALLOC}
+TRITON = {"triton": {}, "triton-system-malloc": SYSTEM_MALLOC}
 CONFIGS = (*MODEL, *EMBEDDED, *TRITON)
-DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "aio", "every-core", "event-engine", "stream", "stream-aio",
-                   "system-malloc", "triton", "triton-aio", "triton-system-malloc")
+DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "every-core", "event-engine", "stream", "system-malloc",
+                   "triton", "triton-system-malloc")
 STREAMED = {"stream", "stream-aio"}  # configurations whose queries are messages on one open Stream call
 DESCRIPTIONS = {  # the retired configurations' too: their reports still render
     "model-1t": "the model alone in its own process, 1 thread, exact lengths",
     "model-2t": "the model alone in its own process, all threads, exact lengths",
     "default": "sidecar, embedded, the defaults",
-    "aio": "sidecar, embedded, grpc.aio on the main port",
+    "aio": "sidecar, embedded, grpc.aio on the main port (beside the retired compiled front)",
     "every-core": "sidecar, embedded, ORT on every core (the default before the threads were chosen)",
     "small-pass": "sidecar, embedded, short passes on a 1-thread session",
     "executor": "sidecar, embedded, every forward on a worker thread",

@@ -44,7 +44,7 @@ from inference.errors import Internal, Unavailable
 from inference.grpc_io import EXPERIMENTS, POLLING_IO, for_other_grpc
 from loadtest import proc_cpu
 from loadtest.native import build_loadgen, native_unavailable_reason, send
-from sidecar.native_build import build_native
+from loadtest.native_build import build_native
 
 ECHO_SERVER = Path(__file__).resolve().parent.parent / "native" / "echo_server.cc"
 ECHO_MODULE = Path(__file__).resolve().parent.parent / "native" / "echo_module.cc"

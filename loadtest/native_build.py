@@ -1,11 +1,11 @@
-"""C++ built against gRPC's C++ library on first use: the load generator's sender and compiled
-servers (loadtest/native), the sidecar's compiled gRPC front (sidecar/native).
+"""C++ built against gRPC's C++ library on first use: the load generator's sender and the transport
+bench's echo servers (loadtest/native). Benchmark tools only: nothing the sidecar serves with links it.
 
 Debian's `libgrpc++-dev` and g++ (`make test` installs them when it can), and Python's headers for
 an extension module. Each build is keyed by its source and flags, kept in the private per-user cache
 of inference/native_cache.py (never the working folder: whoever can write there could give us code
 to load) and verified before its first use; what cannot build, or fails a check, raises Unavailable
-saying why, so the sidecar falls back to grpc.aio.
+saying why, so the tool can say what it needs.
 """
 
 from __future__ import annotations
