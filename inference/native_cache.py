@@ -6,7 +6,7 @@ refused when it or a folder above it is not ours (or root's) or others may write
 made in a temporary folder and renamed into place whole (parallel runs are safe: the first one wins),
 with the SHA-256 of the binary recorded beside it; before its first use in a process the folder, the
 binary and the record are checked (owner, mode, digest). Every failure raises Unavailable saying why,
-so a caller can fall back. sidecar/native_build.py builds gRPC programs on it; the Triton launcher
+so a caller can fall back. loadtest/native_build.py builds gRPC programs on it; the Triton launcher
 its argument shim (inference/triton/argv_secrets.py).
 """
 
@@ -97,7 +97,8 @@ def _compile(source: Path, name: str, flags: list[str], libs: list[str], folder:
              hint: str) -> None:
     """Compile into a fresh private folder, record the digest, rename the folder into place (the first
     of parallel builders wins; the others drop theirs)."""
-    cxx = shutil.which("g++") or shutil.which("c++")
+    # clang++ too: the Triton image (docker-compose.yml builds argv_secrets' shim in it) installs clang.
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         raise Unavailable(f"cannot build {name}: no C++ compiler; {hint}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))  # 0700

@@ -1,8 +1,8 @@
 """API keys per tenant: stored only as SHA-256 digests, compared in constant time, never logged.
 
 A key is at least MIN_KEY_CHARS characters (a short one can be guessed online; the `sha256:` form is a
-digest, whose key we never see). A keys file that others may read or write is refused: any local user
-could take a key or add one.
+digest, whose key we never see). A keys file that others may read or write, or that another user owns
+(at mode 0600 too: they may change it), is refused: they could take a key or add one.
 """
 
 from __future__ import annotations
@@ -10,13 +10,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import os
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 
 from inference.errors import InvalidInput, Unauthenticated
-from inference.private_paths import OTHERS_ANY, mode_of
+from inference.private_paths import read_private_text
 from sidecar.settings import SidecarSettings
 
 ANONYMOUS = "anonymous"
@@ -94,18 +92,11 @@ def _parse_key(value: str, where: str) -> bytes:
 
 def parse_keys_file(path: Path) -> dict[str, bytes]:
     """Lines `tenant key` or `tenant sha256:<hex>`; `#` comments and blank lines ignored. Refused where
-    group or others may read or write it (the mode is checked on the file as opened)."""
-    try:
-        with path.open() as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise InvalidInput(f"API keys file {path} is not a regular file")
-            if st.st_mode & OTHERS_ANY:
-                raise InvalidInput(f"refusing API keys file {path}: group or others may read or write it "
-                                   f"(mode {mode_of(st)}): chmod 600 it (a mounted secret: defaultMode 0400)")
-            lines = f.read().splitlines()
-    except OSError as exc:
-        raise InvalidInput(f"cannot read API keys file {path}: {exc.strerror}") from exc
+    group or others may read or write it, or it belongs to another user than this one or root (checked on
+    the file as opened)."""
+    lines = read_private_text(path, "API keys file", chmod_hint="chmod 600 it (a mounted secret: defaultMode 0400)",
+                              owner_hint=", who could change the keys: chown it to the user the sidecar runs as"
+                              ).splitlines()
     out: dict[str, bytes] = {}
     for n, line in enumerate(lines, 1):
         line = line.split("#", 1)[0].strip()

@@ -7,8 +7,12 @@
         t = c.search(["oat mi"], mode="hybrid")  # FAISS + lexical prefix search, fused
 
 A target is anything grpc dials: `host:port`, or `unix:/abs/path` (also `unix:///abs/path`) for the
-sidecar's Unix socket (sidecar.uds_path) for same-host callers. A sidecar on another host serves TLS
-(sidecar/tls.py): pass `tls=ClientTls(ca_file=...)` (and a certificate and key under mutual TLS).
+sidecar's Unix socket (sidecar.uds_path) for same-host callers. Before a `unix:` target is dialled the
+client checks that only the sidecar's user could have put the socket there (the key goes to whoever
+listens): the socket belongs to `socket_owner` (default this process's user; root always passes) and
+its folder is closed to everyone else, as the sidecar requires of it; else Unavailable. A sidecar on
+another host serves TLS (sidecar/tls.py): pass `tls=ClientTls(ca_file=...)` (and a certificate and key
+under mutual TLS).
 
 `AsyncClient(target, stream=True)` sends the same calls as messages on one long-lived `Stream`
 call instead of a unary call each: about half the round trip, for callers with a steady flow of
@@ -26,6 +30,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import os
+import pwd
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +43,7 @@ import grpc
 import numpy as np
 
 from inference.errors import DeadlineExceeded, EmbedcarError, InvalidInput, Unavailable
+from inference.private_paths import closed_folder_problem, user_text
 from sidecar.errors import from_grpc
 from sidecar.proto import embedcar_pb2 as pb
 from sidecar.proto import embedcar_pb2_grpc  # generated, untyped: mypy treats it as Any
@@ -230,6 +238,59 @@ class StreamSession:
                 await asyncio.gather(stream.reader, return_exceptions=True)
 
 
+def unix_socket_path(target: str) -> Path | None:
+    """The socket file a `unix:` target names (`unix:path`, `unix:///abs/path`), or None for another target."""
+    if not target.startswith("unix:"):
+        return None
+    rest = target.removeprefix("unix:")
+    return Path(rest[2:] if rest.startswith("//") else rest)
+
+
+def owner_uid(owner: int | str | None) -> int:
+    """A user given by number or name as its uid; None = this process's user."""
+    if owner is None:
+        return os.getuid()
+    if isinstance(owner, int):
+        return owner
+    try:
+        return pwd.getpwnam(owner).pw_uid
+    except KeyError:
+        raise InvalidInput(f"socket_owner {owner!r}: no such user on this machine") from None
+
+
+def check_unix_target(target: str, socket_owner: int | str | None = None) -> None:
+    """Unavailable where someone other than `socket_owner` (or root) could be listening on a `unix:` target:
+    the socket belongs to another user (one who bound the name first, in a folder anyone may write to), or
+    its folder lets others put a socket there. A socket not there yet passes on its folder alone: the
+    sidecar may start later. Other targets pass untouched."""
+    path = unix_socket_path(target)
+    if path is None:
+        return
+    uid = owner_uid(socket_owner)
+    trusted = (uid, 0)
+    expected = "this user" if uid == os.getuid() else user_text(uid)
+    hint = " (a sidecar that runs as another user: pass socket_owner=<that user>)" if uid == os.getuid() else ""
+    try:
+        st: os.stat_result | None = path.stat()  # through a link, as gRPC connects: the socket it reaches
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise Unavailable(f"cannot check Unix socket {path}: {exc.strerror or exc}") from exc
+    if st is not None and not stat.S_ISSOCK(st.st_mode):
+        raise Unavailable(f"refusing to connect to {path}: it is not a socket")
+    if st is not None and st.st_uid not in trusted:
+        raise Unavailable(f"refusing to connect to Unix socket {path}: it belongs to {user_text(st.st_uid)}, not "
+                          f"{expected} or root: another user may have bound it first and would receive this "
+                          f"client's API key{hint}")
+    folders = dict.fromkeys((path.absolute().parent, Path(os.path.realpath(path)).parent))
+    for folder in folders:
+        while not os.path.lexists(folder) and folder != folder.parent:
+            folder = folder.parent  # not made yet: whoever may create it decides
+        if (problem := closed_folder_problem(folder, trusted)) is not None:
+            raise Unavailable(f"refusing to connect to Unix socket {path}: {problem}, so another user could put a "
+                              f"socket of theirs there and receive this client's API key{hint}")
+
+
 @dataclass(frozen=True, slots=True)
 class ClientTls:
     """TLS to a sidecar beyond loopback: the CA that signed its certificate; a certificate and key where
@@ -263,7 +324,10 @@ class _Calls:
 
 class AsyncClient(_Calls):
     def __init__(self, target: str, *, api_key: str | None = None, stream: bool = False,
-                 tls: ClientTls | None = None) -> None:
+                 tls: ClientTls | None = None, socket_owner: int | str | None = None) -> None:
+        """`socket_owner`: for a `unix:` target, the user the sidecar runs as (uid or name; default this
+        process's user): check_unix_target."""
+        check_unix_target(target, socket_owner)
         channel = (grpc.aio.secure_channel(target, tls.credentials(), options=_OPTIONS + tls.options()) if tls
                    else grpc.aio.insecure_channel(target, options=_OPTIONS))
         super().__init__(target, api_key, channel)
@@ -303,7 +367,11 @@ class AsyncClient(_Calls):
 
 
 class Client(_Calls):
-    def __init__(self, target: str, *, api_key: str | None = None, tls: ClientTls | None = None) -> None:
+    def __init__(self, target: str, *, api_key: str | None = None, tls: ClientTls | None = None,
+                 socket_owner: int | str | None = None) -> None:
+        """`socket_owner`: for a `unix:` target, the user the sidecar runs as (uid or name; default this
+        process's user): check_unix_target."""
+        check_unix_target(target, socket_owner)
         channel = (grpc.secure_channel(target, tls.credentials(), options=_OPTIONS + tls.options()) if tls
                    else grpc.insecure_channel(target, options=_OPTIONS))
         super().__init__(target, api_key, channel)

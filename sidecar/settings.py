@@ -94,9 +94,8 @@ class SidecarSettings:
         "(refusing at random between it and twice it), gRPC refuses a new call itself, before any Python runs "
         "(~70 µs of CPU against ~500 µs for the cheapest refusal in a handler); the caller sees CANCELLED "
         "(inference.errors.Shed). Sized so that a call waits there about the admission budget at most: "
-        "admission_budget_ms ÷ ~0.5 ms of event-loop time per call. The compiled front "
-        "refuses past the same number of calls handed to the loop (RESOURCE_EXHAUSTED, on its own thread). "
-        "0 = gRPC's defaults (1000 / 3000), and no bound on the front.", min=0, max=INT32_MAX // 2, advanced=True)
+        "admission_budget_ms ÷ ~0.5 ms of event-loop time per call. "
+        "0 = gRPC's defaults (1000 / 3000).", min=0, max=INT32_MAX // 2, advanced=True)
     max_in_flight: int = setting(
         0, "HTTP requests (once their body has arrived) and Stream messages in progress at once, each front at "
         "most 3/4 of it (neither can starve the other): beyond it a new one is refused at once (HTTP 429 + "

@@ -3,10 +3,12 @@
 gRPC listens on the socket file itself; this module prepares the path (folder, stale file from a
 crashed run), restricts who may connect (file mode), and removes the file at shutdown.
 
-Callers hand their API keys to whatever listens on the path, so its folder must be one nobody else can
-change: this user's or root's, and not writable by others unless sticky (a /tmp-like folder is fine:
-the sticky bit stops others from renaming or removing our socket, and a file of theirs already at the
-path is refused or cannot be removed). Modes are set on the socket itself, never through a link.
+Callers hand their API keys to whatever listens on the path, so nobody else may be able to put a
+socket there: the socket's folder belongs to this user or root and nobody else may write to it, sticky
+or not (in /tmp another user can bind the name first, so the sidecar could not start and callers would
+reach theirs), and the folders above follow folder_problem. A bare file name (`grpc.sock`) is a socket
+in this user's private folder: $XDG_RUNTIME_DIR/embedcar, else var/run in the data home, created 0700.
+Modes are set on the socket itself, never through a link.
 """
 
 from __future__ import annotations
@@ -16,20 +18,22 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Iterator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from inference.errors import InvalidInput, Unavailable
-from inference.private_paths import folder_problem
+from inference.private_paths import closed_folder_problem, private_dir_problem
+from inference.settings import data_home
 
 log = logging.getLogger(__name__)
 
 _SUN_PATH_MAX = 107  # bytes of sockaddr_un.sun_path (Linux), less the terminating NUL
 UDS_MODE = 0o660  # owner and group may connect; nobody else
 FOLDER_MODE = 0o755  # a folder we create: the group may reach the socket, nobody else may write
+EXAMPLE_NAME = "grpc.sock"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +56,35 @@ class UnixSocket:
             self.path.unlink(missing_ok=True)
 
 
-def prepare_unix_socket(path: Path) -> Path:
-    """The absolute socket path, its folder created, a stale socket left by a crashed run removed.
+def private_socket_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """This user's folder for sockets named by a bare file name: $XDG_RUNTIME_DIR/embedcar (the login's
+    runtime folder, 0700 by the XDG specification; a relative value is ignored, as it says), else var/run
+    in the data home. Read here, like tempfile reads TMPDIR: it is where a file goes, not a setting."""
+    env = os.environ if environ is None else environ
+    runtime = env.get("XDG_RUNTIME_DIR", "")
+    if runtime and Path(runtime).is_absolute():
+        return Path(runtime) / "embedcar"
+    return data_home(env) / "var" / "run"
 
-    Refuses a path that exists and is not a socket, and a socket another process still serves on.
+
+def _bare_name(path: Path) -> bool:
+    return str(path) == path.name and path.name not in ("", ".", "..") and not path.name.startswith("~")
+
+
+def prepare_unix_socket(path: Path) -> Path:
+    """The absolute socket path, its folder created, a stale socket left by a crashed run removed. A bare
+    file name is in private_socket_dir(), created 0700.
+
+    Refuses a folder others could add a file to (module docstring), a path that exists and is not a
+    socket, and a socket another process still serves on.
     """
-    path = path.expanduser().absolute()
+    if _bare_name(path):
+        folder = private_socket_dir()
+        if (problem := private_dir_problem(folder)) is not None:
+            raise InvalidInput(f"cannot serve on Unix socket {path.name} in this user's socket folder: {problem}")
+        path = folder / path.name
+    else:
+        path = path.expanduser().absolute()
     if len(bytes(path)) > _SUN_PATH_MAX:
         raise InvalidInput(f"Unix socket path {path} is longer than {_SUN_PATH_MAX} bytes: choose a shorter one")
     try:
@@ -67,9 +94,11 @@ def prepare_unix_socket(path: Path) -> Path:
                     level.mkdir(FOLDER_MODE)  # the umask may take bits off, never add write for others
     except OSError as exc:
         raise InvalidInput(f"cannot create the folder of Unix socket {path}: {exc.strerror}") from exc
-    if (problem := folder_problem(path.parent)) is not None:
-        raise InvalidInput(f"refusing to serve on Unix socket {path}: {problem}, so another user could replace "
-                           "the socket (choose a folder of your own)")
+    if (problem := closed_folder_problem(path.parent)) is not None:
+        raise InvalidInput(
+            f"refusing to serve on Unix socket {path}: {problem}, so another user could bind the path first and "
+            "receive the API keys callers send. Use a folder only you can write to, or a bare file name "
+            f"(uds_path={EXAMPLE_NAME} serves in {private_socket_dir()}, created 0700)")
     try:
         st = path.lstat()
     except FileNotFoundError:
@@ -110,17 +139,6 @@ def bind_unix_socket(server: grpc.aio.Server, path: Path) -> UnixSocket:
         raise Unavailable(f"cannot listen on Unix socket {path}: {exc}") from exc
     # Right after bind, before the server starts (the file was created with the process umask's mode).
     return restrict_unix_socket(path)
-
-
-@contextlib.contextmanager
-def owner_only_files() -> Iterator[None]:
-    """Files created meanwhile (by any thread) get mode 0600 at most: a socket a server binds and starts
-    serving on at once is never open to others before `restrict_unix_socket` sets its mode."""
-    before = os.umask(0o177)
-    try:
-        yield
-    finally:
-        os.umask(before)
 
 
 def restrict_unix_socket(path: Path) -> UnixSocket:

@@ -13,7 +13,7 @@ import pytest
 
 from embedcar_settings import Settings
 from inference.manifest import Manifest
-from inference.triton import tls
+from inference.triton import argv_secrets, tls
 from inference.triton.certs import make_pool_certs
 from inference.triton.tls import LOCKED_FLAGS, restricted_flags
 
@@ -109,9 +109,10 @@ def test_triton_is_hardened(compose: dict[str, Any], tmp_path: Path) -> None:
         assert (pool.dirs["triton"] / name).is_file() and f"{secrets_dir}/{name}" in entry, name
     for flag in ("--grpc-use-ssl=true", "--grpc-use-ssl-mutual=true", f"--grpc-root-cert={secrets_dir}/ca.pem",
                  f"--grpc-server-cert={secrets_dir}/server.pem", f"--grpc-server-key={secrets_dir}/server.key",
-                 *LOCKED_FLAGS,
-                 *restricted_flags(f"$(cat {secrets_dir}/client_key.txt)", f"$(cat {secrets_dir}/operator_key.txt)")):
+                 *LOCKED_FLAGS, *restricted_flags(argv_secrets.placeholder(0), argv_secrets.placeholder(1))):
         assert flag in entry, flag
+    # The n-th key file fills placeholder n (the restricted flags above): the client key, then the operator's.
+    assert _secret_files(t) == [f"{secrets_dir}/{tls.CLIENT_KEY_FILE}", f"{secrets_dir}/{tls.OPERATOR_KEY_FILE}"]
     repo = re.search(r"--model-repository=(\S+)", entry)
     assert repo and mounts[repo.group(1)][1], "the model repository is mounted read-only"
     uid = _unset(t["user"]).split(":")[0]
@@ -124,6 +125,48 @@ def test_triton_is_hardened(compose: dict[str, Any], tmp_path: Path) -> None:
         assert ro and (tmp_path / src).resolve() == pool.dirs["sidecar"].resolve(), (name, src)
         # The folder holds what a client reads: checked as the sidecar checks it at start-up.
         assert tls.client_credentials(s.__class__(tls_dir=tmp_path / src)) is not None
+
+
+def _secret_files(service: dict[str, Any]) -> list[str]:
+    """The --secret-file arguments of a service run through inference.triton.argv_secrets, in order."""
+    entry = [str(x) for x in service["entrypoint"]]
+    launcher = entry[: entry.index("--")]
+    return [a.split("=", 1)[1] for a in launcher if a.startswith("--secret-file=")]
+
+
+def test_no_key_is_on_a_command_line(compose: dict[str, Any], tmp_path: Path) -> None:
+    """`ps` shows every process's arguments to every user of the host: Triton's keys reach tritonserver by
+    file, through the project's launcher and its preloaded shim (as `embedcar triton serve` passes them),
+    never as text a shell puts on a command line; no service names a key file in its command either."""
+    t = compose["services"]["triton"]
+    entry = [str(x) for x in t["entrypoint"]]
+    assert entry[:3] == ["python3", "-m", "inference.triton.argv_secrets"], entry[:3]
+    program = entry[entry.index("--") + 1:]
+    assert program[0] == "tritonserver"
+    # The launcher module is the repository's, through the bind mount, from the working folder `-m` searches.
+    module = Path(t["working_dir"], *entry[2].split(".")).with_suffix(".py")
+    mount, (src, _ro) = next((m, v) for m, v in _mounts(t).items() if module.is_relative_to(m))
+    assert (ROOT / src / module.relative_to(mount)).resolve() == Path(argv_secrets.__file__).resolve()
+    # Every key-bearing flag holds a placeholder, and each placeholder names one of the files.
+    keyed = [a for a in program if a.startswith(("--grpc-restricted-protocol=", "--http-restricted-api="))]
+    assert len(keyed) == 4
+    files = _secret_files(t)
+    for arg in keyed:
+        value = arg.rsplit("=", 1)[1]
+        assert value in {argv_secrets.placeholder(n) for n in range(len(files))}, arg
+    # The shim is built where the container's user can write (its home may not exist): an absolute folder.
+    assert Path(_env(t)["XDG_CACHE_HOME"]).is_absolute()
+    # Nowhere a shell that could expand a file into an argument, nor a key file read into one.
+    for name, svc in compose["services"].items():
+        words = [str(x) for x in (svc.get("entrypoint") or []) + (svc.get("command") or [])]
+        text = " ".join(words)
+        assert "$(" not in text and "`" not in text and "cat " not in text, name
+        for key_file in (tls.CLIENT_KEY_FILE, tls.OPERATOR_KEY_FILE, "api_keys"):
+            assert all(w.startswith("--secret-file=") for w in words if key_file in w), (name, key_file)
+    # And the launcher refuses to run where a placeholder has no file: nothing goes out unfilled.
+    proc = subprocess.run([sys.executable, "-S", "-m", "inference.triton.argv_secrets", "--", *program],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2 and "only 0 --secret-file given" in proc.stderr, proc.stderr
 
 
 def test_entrypoint_builds_engine_into_cache_then_serves(compose: dict[str, Any], manifest: Manifest) -> None:
@@ -236,20 +279,13 @@ def _dockerfile_runs() -> list[str]:
     return [line[4:] for line in text.splitlines() if line.startswith("RUN ")]
 
 
-def test_image_builds_the_compiled_front_or_fails() -> None:
-    """The sidecar's default gRPC server is the compiled front (built against g++ and libgrpc++): the
-    image installs both and builds it at image build time, exiting non-zero where it cannot, rather than
-    shipping an image whose sidecar falls back to grpc.aio."""
+def test_image_links_no_system_grpc_library() -> None:
+    """The sidecar serves gRPC with grpcio's own C core: the image installs no distribution gRPC C++
+    library (Debian's is 1.51, with open advisories) and builds nothing against one."""
     runs = _dockerfile_runs()
-    install = next(r for r in runs if "apt-get install" in r)
-    assert {"g++", "libgrpc++-dev"} <= set(install.split())
-    pip = next(i for i, r in enumerate(runs) if "pip install" in r)
-    build = next(i for i, r in enumerate(runs) if "unavailable_reason()" in r)
-    assert build > pip and "sys.exit(" in runs[build], "built from the installed package, failing the build"
-    assert "sidecar.native_front import unavailable_reason" in runs[build]
-    # The installed package carries the C++ it builds (pyproject's package data).
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'^"\*" = \[.*"\*\.cc"', pyproject, re.MULTILINE)
+    assert not any("libgrpc" in r for r in runs)
+    assert not any("unavailable_reason" in r or "native_front" in r for r in runs)
+    assert any("pip install" in r for r in runs)
 
 
 def test_image_holds_the_top_level_modules() -> None:

@@ -6,6 +6,8 @@ Real sidecars (the session's ORT backend, no HTTP facade) and real gRPC over a r
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import socket
 import stat
 import tempfile
@@ -112,3 +114,36 @@ def test_regular_file_at_the_path_is_refused(settings: Settings, onnx_backend: O
             SidecarThread(uds_settings(settings, sock), backend=onnx_backend):
         pass
     assert sock.read_text() == "not a socket\n", "the file is left alone"
+
+
+def test_a_bare_name_serves_in_the_private_runtime_folder(settings: Settings, onnx_backend: OnnxBackend,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    with tempfile.TemporaryDirectory(prefix="ecrun-") as d:
+        runtime = Path(d) / "runtime"
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+        path = runtime / "embedcar" / "grpc.sock"
+        with SidecarThread(uds_settings(settings, Path("grpc.sock")), backend=onnx_backend) as sc:
+            assert sc.uds_target == f"unix:{path}"
+            assert stat.S_IMODE((runtime / "embedcar").stat().st_mode) == 0o700
+            with Client(sc.uds_target) as c:
+                assert c.embed(["milk"]).embeddings.shape == (1, 384)
+        assert not path.exists()
+
+
+def test_a_world_writable_sticky_folder_is_refused_at_start(settings: Settings, onnx_backend: OnnxBackend,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A /tmp-like folder (sticky, anyone may write; another user's where the test can make one): anyone
+    could bind the name before the sidecar. Start-up fails naming the folder and the private default."""
+    with tempfile.TemporaryDirectory(prefix="ecuds-") as d:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", f"{d}/runtime")
+        shared = Path(d) / "shared"
+        shared.mkdir()
+        if os.getuid() == 0:
+            os.chown(shared, 65534, -1)
+        shared.chmod(0o1777)
+        with pytest.raises(InvalidInput, match=rf"refusing to serve on Unix socket {shared}/grpc.sock: {shared} may be "
+                           r"written by others \(mode 1777: sticky.*"
+                           rf"uds_path=grpc.sock serves in {re.escape(d)}/runtime/embedcar"), \
+                SidecarThread(uds_settings(settings, shared / "grpc.sock"), backend=onnx_backend):
+            pass
+        assert not list(shared.iterdir())

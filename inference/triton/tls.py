@@ -212,7 +212,8 @@ LOCKED_FLAGS = ("--model-control-mode=none", "--allow-sagemaker=false", "--allow
 
 
 def restricted_flags(client: str, operator: str) -> list[str]:
-    """The API-group flags with these key values (docker-compose.yml writes the same with `$(cat file)`)."""
+    """The API-group flags with these key values (docker-compose.yml writes the same with argv_secrets'
+    placeholders, filled from the key files by its launcher)."""
     return [
         f"--grpc-restricted-protocol={','.join(CLIENT_GROUPS)}:{CLIENT_KEY_NAME}={client}",
         f"--grpc-restricted-protocol={','.join(OPERATOR_GROUPS)}:{OPERATOR_KEY_NAME}={operator}",
