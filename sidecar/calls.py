@@ -24,7 +24,6 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
 from inference.errors import EmbedcarError, Internal, InvalidInput, Overloaded
@@ -69,7 +68,12 @@ def _decode(cls: type[Any], raw: bytes) -> Any:
 
 
 def _known_fields(msg: Any) -> Any:
-    if len(unknown_fields.UnknownFieldSet(msg)):
+    # Sizes compared, not the unknown fields listed: UnknownFieldSet makes a Python object per field (~2 s
+    # on the event loop for 4 MB of 2-byte fields); a copy without them is one pass in C (~10 ms).
+    known = type(msg)()
+    known.CopyFrom(msg)
+    known.DiscardUnknownFields()
+    if known.ByteSize() != msg.ByteSize():
         raise InvalidInput(f"request has fields unknown to {msg.DESCRIPTOR.full_name}: wrong proto version?")
     return msg
 

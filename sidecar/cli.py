@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import signal
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from inference.cli import add_model_flags
@@ -49,14 +50,22 @@ def _serve(args: argparse.Namespace) -> int:
     allocator = use(settings.sidecar.allocator)  # first: it may start this program again
     described = settings.describe()  # secrets redacted
     log.info("settings: %s", json.dumps({k: described[k] for k in ("model", "sidecar")}))
-    log.info("allocator: %s", allocator)
+    log.info("allocator: %s, event loop: %s", allocator, settings.sidecar.event_loop)
     from sidecar.cpu_slice import SIDECAR_SLICE_US, set_slice
 
     # Before the model's and gRPC's threads start: they inherit it.
     log.info("CPU slice: %s", set_slice(SIDECAR_SLICE_US))
-    with asyncio.Runner() as runner:
+    with asyncio.Runner(loop_factory=_loop_factory(settings.sidecar.event_loop)) as runner:
         failure = runner.run(_serve_async(settings))
     return 0 if failure is None else LISTENER_DEAD_EXIT
+
+
+def _loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    return None
 
 
 def _search_state(sidecar: Sidecar) -> str:

@@ -90,12 +90,14 @@ class SidecarSettings:
         "(keeps accepted latency within the 20 ms SLA under overload, the excess refused at once: the wait, "
         "the pass and the transport; docs/reliability.md). 0 = deadline only.", min=0, advanced=True)
     transport_backlog: int = setting(
-        16, "gRPC calls that may wait in gRPC's C core for the event loop to take them: beyond this many "
+        0, "gRPC calls that may wait in gRPC's C core for the event loop to take them: beyond this many "
         "(refusing at random between it and twice it), gRPC refuses a new call itself, before any Python runs "
         "(~70 µs of CPU against ~500 µs for the cheapest refusal in a handler); the caller sees CANCELLED "
-        "(inference.errors.Shed). Sized so that a call waits there about the admission budget at most: "
-        "admission_budget_ms ÷ ~0.5 ms of event-loop time per call. "
-        "0 = gRPC's defaults (1000 / 3000).", min=0, max=INT32_MAX // 2, advanced=True)
+        "(inference.errors.Shed). Calls their client has already reset count until the loop takes them, so a "
+        "rapid-reset client (HEADERS then RST_STREAM, no key needed) keeps a small backlog full and every caller "
+        "of the method it targets is refused meanwhile (docs/reliability.md): set it (e.g. admission_budget_ms "
+        "÷ ~0.5 ms of event-loop time per call) only where every caller is trusted. 0 = gRPC's defaults "
+        "(1000 / 3000).", min=0, max=INT32_MAX // 2, advanced=True)
     max_in_flight: int = setting(
         0, "HTTP requests (once their body has arrived) and Stream messages in progress at once, each front at "
         "most 3/4 of it (neither can starve the other): beyond it a new one is refused at once (HTTP 429 + "
@@ -121,6 +123,10 @@ class SidecarSettings:
         "manifest, after `model prepare` or `model rollback`): a new model is loaded and warmed beside the one in "
         "service and switched in together with an index built by it (sidecar/rollout.py). 0 = the model never: "
         "a new version needs a restart (the index is still looked for, every 5 s).", min=0, advanced=True)
+    event_loop: str = setting(
+        "asyncio", "`sidecar serve`'s event loop: `asyncio` (the standard library's) or `uvloop` (libuv's, which "
+        "uvicorn[standard] installs); both serve grpc.aio and HTTP alike (docs/performance.md compares them).",
+        choices=("asyncio", "uvloop"), advanced=True)
     allocator: str = setting(
         "auto", "The sidecar's malloc: `auto` = mimalloc where it is installed (`make native` installs it; "
         "0.07 ms less CPU per Triton-backend query on a 2-vCPU host, docs/benchmarks.md), else the C library's; "

@@ -3,7 +3,8 @@
 grpcio's own client refuses to send what a hostile client sends (header names with capitals, values
 with control bytes, bad pseudo-headers, frames out of order), so this speaks HTTP/2 itself: h2 with
 its header validation and normalisation off, and raw frames (hyperframe, h2's own framing layer)
-where h2's state machine would refuse (DATA after END_STREAM, DATA on a stream never opened).
+where h2's state machine would refuse (DATA after END_STREAM, DATA on a stream never opened), and
+frames as bytes with no state machine at all for floods (`RawConnection`: rapid resets, CONTINUATIONs).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from h2.events import (
 )
 from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes
+from hpack import Encoder, NeverIndexedHeaderTuple
 from hyperframe.frame import DataFrame
 
 Headers = list[tuple[bytes, bytes]]
@@ -244,6 +246,134 @@ class H2Caller:
         self.sock.close()
 
     def __enter__(self) -> H2Caller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --- below h2: whole frames as bytes ---------------------------------------------------------------
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+HEADERS, RST_STREAM, SETTINGS, GOAWAY, CONTINUATION = 0x1, 0x3, 0x4, 0x7, 0x9  # frame types
+ACK, END_HEADERS = 0x1, 0x4  # flags
+CANCEL = 0x8  # error code
+MAX_FRAME = 16_384  # every HTTP/2 peer's SETTINGS_MAX_FRAME_SIZE floor: a frame this size is always allowed
+
+
+def frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    """One HTTP/2 frame, exactly as given."""
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + sid.to_bytes(4, "big") + payload
+
+
+def header_block(headers: HeaderSeq) -> bytes:
+    """An HPACK block of literals never indexed: each block stands alone (no dynamic table between blocks),
+    so one block can be sent on any number of streams."""
+    return bytes(Encoder().encode([NeverIndexedHeaderTuple(k, v) for k, v in headers], huffman=False))
+
+
+def hpack_integer(value: int, prefix_bits: int, first: int = 0) -> bytes:
+    """HPACK's integer (RFC 7541 5.1) with `first`'s high bits set in its first byte."""
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes([first | value])
+    out = bytearray([first | limit])
+    value -= limit
+    while value >= 128:
+        out.append(value % 128 + 128)
+        value //= 128
+    out.append(value)
+    return bytes(out)
+
+
+def literal_header_start(name: bytes, value_length: int) -> bytes:
+    """The start of a literal header (without indexing, a new name) whose value is `value_length` bytes:
+    the value's bytes follow in whatever frames the sender likes."""
+    return b"\x00" + hpack_integer(len(name), 7) + name + hpack_integer(value_length, 7)
+
+
+class RawConnection:
+    """One HTTP/2 connection written frame by frame with no state machine: what a flood sends. What the
+    server sends is read only for its end (GOAWAY or EOF), and its SETTINGS are acknowledged so that the
+    connection stays valid while idle."""
+
+    def __init__(self, host: str, port: int, *, timeout_s: float = 10.0) -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout_s)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._in = bytearray()
+        self.terminated: str | None = None
+        self.received: dict[int, int] = {}  # frame type: how many the server sent
+        self.send(PREFACE + frame(SETTINGS, 0, 0))
+
+    def send(self, data: bytes) -> bool:
+        """False once the connection has ended, or when the server let `data` wait past the socket's
+        timeout (the connection is then given up: part of a frame may have gone)."""
+        if self.terminated is not None:
+            return False
+        try:
+            self.sock.sendall(data)
+            return True
+        except TimeoutError:
+            self.terminated = "send blocked: the server stopped reading"
+        except OSError as e:
+            self.terminated = f"send failed: {e}"
+        return False
+
+    def pump(self, timeout_s: float = 0.0) -> None:
+        """Reads what has arrived (waiting up to `timeout_s` for the first bytes)."""
+        while self.terminated is None:
+            ready, _, _ = select.select([self.sock], [], [], timeout_s)
+            if not ready:
+                return
+            timeout_s = 0.0
+            try:
+                chunk = self.sock.recv(1 << 20)
+            except OSError as e:
+                self.terminated = f"recv failed: {e}"
+                return
+            if not chunk:
+                self.terminated = "closed by the server"
+                return
+            self._in += chunk
+            self._frames()
+
+    def _frames(self) -> None:
+        while len(self._in) >= 9:
+            length = int.from_bytes(self._in[:3], "big")
+            if len(self._in) < 9 + length:
+                return
+            kind, flags = self._in[3], self._in[4]
+            payload = bytes(self._in[9:9 + length])
+            del self._in[:9 + length]
+            self.received[kind] = self.received.get(kind, 0) + 1
+            if kind == SETTINGS and not flags & ACK:
+                self.send(frame(SETTINGS, ACK, 0))
+            elif kind == GOAWAY:
+                code = int.from_bytes(payload[4:8], "big") if len(payload) >= 8 else -1
+                try:
+                    name = ErrorCodes(code).name
+                except ValueError:
+                    name = str(code)
+                self.terminated = f"GOAWAY {name}"
+
+    def settle(self, timeout_s: float = 5.0) -> bool:
+        """Until the server's SETTINGS have come and been acknowledged: after this no frame of ours is
+        sent unasked, so a header block can be left open without a SETTINGS ACK landing inside it."""
+        end = time.monotonic() + timeout_s
+        while self.terminated is None and SETTINGS not in self.received and time.monotonic() < end:
+            self.pump(0.05)
+        return SETTINGS in self.received
+
+    def wait_end(self, timeout_s: float) -> bool:
+        """Whether the server ended the connection within `timeout_s`."""
+        end = time.monotonic() + timeout_s
+        while self.terminated is None and time.monotonic() < end:
+            self.pump(0.05)
+        return self.terminated is not None
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> RawConnection:
         return self
 
     def __exit__(self, *exc: object) -> None:

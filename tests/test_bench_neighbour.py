@@ -160,9 +160,11 @@ def test_each_embedded_configuration_states_every_lever() -> None:
     d, sc = ModelSettings(), SidecarSettings()
     assert embedded_env("default") == {"EMBEDCAR_MODEL_INTRA_OP_THREADS": str(d.intra_op_threads),
                                        "EMBEDCAR_SIDECAR_ALLOCATOR": sc.allocator,
+                                       "EMBEDCAR_SIDECAR_EVENT_LOOP": sc.event_loop,
                                        "GRPC_EXPERIMENTS": POLLING_IO}
     assert embedded_env("event-engine")["GRPC_EXPERIMENTS"] == ""  # gRPC's own default I/O
     assert embedded_env("stream") == embedded_env("default")  # only the RPC differs
+    assert embedded_env("uvloop") == embedded_env("default") | {"EMBEDCAR_SIDECAR_EVENT_LOOP": "uvloop"}
     assert embedded_env("triton") == embedded_env("default")
     system = embedded_env("default") | {"EMBEDCAR_SIDECAR_ALLOCATOR": "system"}
     assert embedded_env("system-malloc") == embedded_env("triton-system-malloc") == system

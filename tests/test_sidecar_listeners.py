@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from sidecar.app import Sidecar, SidecarThread
+from sidecar.client import Client
 from sidecar.listeners import RESERVED_FILES, ConnectionCaps, Listener, ListenerCheck, answers, connection_caps
 from tests.conftest import ROOT
 from tests.fixtures_sidecar import sidecar_settings
@@ -137,14 +138,18 @@ async def test_a_listener_silent_past_its_limit_is_reported_once(silent_port: in
     assert f"grpc 127.0.0.1:{silent_port}" in message and "sidecar.listener_dead_s" in message
 
 
-def test_serve_exits_70_when_its_unix_socket_stays_unreachable(settings: Settings, tmp_path: Path) -> None:
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_serve_exits_70_when_its_unix_socket_stays_unreachable(settings: Settings, tmp_path: Path,
+                                                               event_loop: str) -> None:
     """The socket file removed from under a running `sidecar serve` (a /tmp cleaner, a wrong script): its
-    Unix listener is gone for good, so the process says so in one line and exits for a restart."""
+    Unix listener is gone for good, so the process says so in one line and exits for a restart. On either
+    event loop, having served an Embed on the socket first."""
     folder = tmp_path / "run"
     folder.mkdir(mode=0o700)
     sock = folder / "embedcar.sock"
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDCAR_")}
-    env |= {"EMBEDCAR_SIDECAR_LISTENER_DEAD_S": "1", "EMBEDCAR_SIDECAR_POLL_S": "0"}
+    env |= {"EMBEDCAR_SIDECAR_LISTENER_DEAD_S": "1", "EMBEDCAR_SIDECAR_POLL_S": "0",
+            "EMBEDCAR_SIDECAR_EVENT_LOOP": event_loop}
     proc = subprocess.Popen([sys.executable, "-m", "inference.cli_main", "sidecar", "serve",
                              "--models-dir", str(settings.model.models_dir), "--variant", "fp32", "--threads", "1",
                              "--grpc-port", "0", "--http-port", "0", "--uds-path", str(sock)],
@@ -157,6 +162,8 @@ def test_serve_exits_70_when_its_unix_socket_stays_unreachable(settings: Setting
             if line.startswith("sidecar ready"):
                 break
         assert sock.exists(), "".join(lines)
+        with Client(f"unix:{sock}") as c:
+            assert c.embed(["oat milk"], timeout_s=30).embeddings.shape[0] == 1
         sock.unlink()
         rc = proc.wait(timeout=60)
         rest = proc.stdout.read()

@@ -34,6 +34,7 @@ are gone: their figures are in docs/benchmarks.md, and a report of them still re
                       which the sidecar turns off, inference.grpc_io)
   stream              the defaults, each query a message on one open `Stream` call (how a search node
                       that keeps a stream open calls) instead of a unary Embed call
+  uvloop              + sidecar.event_loop=uvloop: libuv's event loop under grpc.aio and HTTP
   system-malloc       + sidecar.allocator=system: the C library's malloc instead of mimalloc
                       (sidecar/allocator.py; the same as `default` where mimalloc is not installed)
   triton              the sidecar over a local tritonserver (CPU, Python backend); skipped, saying
@@ -81,21 +82,22 @@ log = logging.getLogger(__name__)
 Record = dict[str, Any]
 
 # The embedded path's levers this bench compares: ("section.field", value) per configuration.
-LEVERS = ("model.intra_op_threads", "sidecar.allocator")
+LEVERS = ("model.intra_op_threads", "sidecar.allocator", "sidecar.event_loop")
 SYSTEM_MALLOC: dict[str, object] = {"sidecar.allocator": "system"}
 EMBEDDED: dict[str, dict[str, object]] = {
     "default": {},
     "every-core": {"model.intra_op_threads": os.cpu_count() or 1},
     "event-engine": {EXPERIMENTS: ""},
     "stream": {},  # the defaults; its calls go on the Stream RPC (STREAMED)
+    "uvloop": {"sidecar.event_loop": "uvloop"},
     "system-malloc": SYSTEM_MALLOC,
 }
 MODEL = {"model-1t": 1, "model-2t": 0}  # ORT threads (0 = every core)
 # The sidecar over a local tritonserver.
 TRITON = {"triton": {}, "triton-system-malloc": SYSTEM_MALLOC}
 CONFIGS = (*MODEL, *EMBEDDED, *TRITON)
-DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "every-core", "event-engine", "stream", "system-malloc",
-                   "triton", "triton-system-malloc")
+DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "every-core", "event-engine", "stream", "uvloop",
+                   "system-malloc", "triton", "triton-system-malloc")
 STREAMED = {"stream", "stream-aio"}  # configurations whose queries are messages on one open Stream call
 DESCRIPTIONS = {  # the retired configurations' too: their reports still render
     "model-1t": "the model alone in its own process, 1 thread, exact lengths",
@@ -109,6 +111,7 @@ DESCRIPTIONS = {  # the retired configurations' too: their reports still render
     "stream": "sidecar, embedded, the defaults, queries as Stream messages",
     "stream-aio": "sidecar, embedded, grpc.aio on the main port, queries as Stream messages",
     "front": "sidecar, embedded, grpc.aio main port, calls to the compiled front's own port",
+    "uvloop": "sidecar, embedded, uvloop's event loop",
     "kernel-slice": "sidecar, embedded, the kernel's default CPU slice",
     "system-malloc": "sidecar, embedded, the C library's malloc (not mimalloc)",
     "spinning": "sidecar, embedded, ORT threads spin",
