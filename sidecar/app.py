@@ -309,7 +309,9 @@ class Sidecar:
                          gate=self.http_gate, body_timeout_s=s.http_body_timeout_s)
         sock = listen_tcp(host, port, flag="--http-port")
         self.http_port = int(sock.getsockname()[1])
-        limits = HttpLimits(header_timeout_s=s.http_header_timeout_s, max_connections=max_connections)
+        limits = HttpLimits(header_timeout_s=s.http_header_timeout_s, max_connections=max_connections,
+                            write_timeout_s=s.http_write_timeout_s, max_pipelined=s.http_max_pipelined,
+                            max_read_ahead_bytes=max_bytes)
         # Connections are limited (and refused past it) by the protocol, not uvicorn's limit_concurrency,
         # which would accept them all and answer 503 only once a request came.
         config = uvicorn.Config(app, http=UpgradeTolerantHttp.guarded(limits), log_level="warning", access_log=False,

@@ -107,7 +107,8 @@ class HttpGate:
     1. `Gate.refusal` under overload: 429 + Retry-After;
     2. `check`, the caller's key from the headers: 401;
     3. the body, whole within `body_timeout_s` and `max_body_bytes`: 408 / 413;
-    4. `Gate.enter`: counted in progress only now, so a caller slow to send its body holds no place.
+    4. `Gate.enter`: counted in progress only now, so a caller slow to send its body holds no place;
+       out again once its reply starts, so neither does one slow to read it.
 
     A refusal before the body closes the connection (the body is never read); the route gets the
     body from memory. GETs (health, metrics, model list) pass straight through: never shed."""
@@ -143,6 +144,7 @@ class HttpGate:
             await self._reply(scope, send, refused, close=False)
             return
         sent = False
+        held = gate  # until the reply starts
 
         async def replay() -> Message:
             nonlocal sent
@@ -151,11 +153,20 @@ class HttpGate:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
 
+        async def reply(message: Message) -> None:
+            # Answered: out of the count now, not once the client has read the reply (one that never reads
+            # holds its connection until the write timeout, not a place among those in progress).
+            nonlocal held
+            if held is not None and message["type"] == "http.response.start":
+                held.leave()
+                held = None
+            await send(message)
+
         try:
-            await self.app(scope, replay, send)
+            await self.app(scope, replay, reply)
         finally:
-            if gate is not None:
-                gate.leave()
+            if held is not None:
+                held.leave()
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
         declared = _header(scope, b"content-length")

@@ -1,17 +1,21 @@
 """Hostile HTTP/1.1 clients against a real sidecar with API keys (raw sockets): idle requests, headers
-sent byte by byte, bodies that never come, keyless bodies, connection floods. After each, a keyed call
-is answered (sidecar.http_protocol, sidecar.shedding.HttpGate).
+sent byte by byte, bodies that never come, keyless bodies, connection floods, requests pipelined and
+replies never read. After each, a keyed call is answered (sidecar.http_protocol, sidecar.shedding.HttpGate).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import select
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,10 +29,13 @@ from sidecar.app import Sidecar, SidecarThread
 from sidecar.client import Client
 from sidecar.metrics import Metrics
 from sidecar.shedding import FRONT_SHARE, Gate
+from tests.conftest import ROOT
 from tests.fixtures_sidecar import ProbeBackend, sidecar_settings, until
 
 KEY = "sk-hostile-http-" + "ef56" * 8
 BODY = b'{"input": "oat milk barista"}'
+HEALTH = b"GET /health HTTP/1.1\r\nHost: sidecar\r\n\r\n"
+ANSWER_S = 15.0  # generous: only a lock-out or a hang trips it, not a busy machine
 
 
 def _post_head(length: int, *, key: str | None = KEY, extra: bytes = b"") -> bytes:
@@ -37,8 +44,14 @@ def _post_head(length: int, *, key: str | None = KEY, extra: bytes = b"") -> byt
             + extra + b"Content-Length: " + str(length).encode() + b"\r\n\r\n")
 
 
-def _connect(port: int) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+def _connect(port: int, *, rcvbuf: int | None = None) -> socket.socket:
+    """`rcvbuf`: this end's receive buffer, set before connecting so the window is small from the start (the
+    kernel's own buffers then hold little of what the server writes and the rest backs up in the server)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(30)
+    s.connect(("127.0.0.1", port))
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return s
 
@@ -92,6 +105,58 @@ def _wait_closed(socks: list[socket.socket], want: int, timeout_s: float = 30.0)
     return closed
 
 
+def _established(s: socket.socket) -> bool:
+    """The server has neither closed (FIN) nor reset `s`: asked of the kernel (TCP_INFO), not by reading it,
+    which a client that never reads must not do."""
+    return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == 1  # tcpi_state, TCP_ESTABLISHED
+
+
+def _until_ended(socks: list[socket.socket], timeout_s: float) -> float:
+    """Seconds until the server has ended every one of `socks` (fails past `timeout_s`)."""
+    start = time.monotonic()
+    while any(_established(s) for s in socks):
+        elapsed = time.monotonic() - start
+        if elapsed > timeout_s:
+            pytest.fail(f"{sum(map(_established, socks))} of {len(socks)} connections still open after {elapsed:.0f} s")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _pour(socks: list[socket.socket], data: bytes, seconds: float) -> None:
+    """Send `data` on each of `socks` as far as the server reads it, for at most `seconds`, never blocking
+    on one that it has stopped reading; one that it ends is let go."""
+    left = {s: memoryview(data) for s in socks}
+    for s in socks:
+        s.setblocking(False)
+    deadline = time.monotonic() + seconds
+    while left and time.monotonic() < deadline:
+        _, writable, _ = select.select([], list(left), [], 0.1)
+        for s in writable:
+            try:
+                left[s] = left[s][s.send(left[s]):]
+            except BlockingIOError:
+                continue
+            except OSError:  # reset, broken pipe: ended by the server
+                del left[s]
+                continue
+            if not left[s]:
+                del left[s]
+
+
+def _rss_mib() -> float:
+    """This process's resident memory: the sidecar under test runs in it."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _keyed_embed(texts: int) -> bytes:
+    """A keyed POST of `texts` texts (one text repeated: cache hits), ~8 KB of reply each."""
+    body = json.dumps({"input": ["oat milk barista"] * texts}).encode()
+    return _post_head(len(body)) + body
+
+
 def _keyed_calls_answer(sc: Sidecar) -> None:
     with Client(sc.grpc_target, api_key=KEY) as c:
         assert c.embed(["keyed grpc call"], timeout_s=30).embeddings.shape[0] == 1
@@ -143,16 +208,19 @@ def test_idle_posts_hold_no_place_and_lock_nobody_out(keyed: Sidecar) -> None:
 
 
 class _CountingSearch:
-    """`http_protocol._HEAD_END` with the bytes each search scans counted."""
+    """`http_protocol._HEAD_END` with the bytes each search of `sent` scans counted (not other connections':
+    the sidecar's own listener checks send `GET /health` every 2 s)."""
 
-    def __init__(self, pattern: re.Pattern[bytes]) -> None:
+    def __init__(self, pattern: re.Pattern[bytes], sent: bytes) -> None:
         self.pattern = pattern
+        self.sent = sent
         self.scanned = 0
         self.searches = 0
 
     def search(self, data: bytearray, pos: int = 0) -> Any:
-        self.searches += 1
-        self.scanned += len(data) - pos
+        if self.sent.startswith(data):
+            self.searches += 1
+            self.scanned += len(data) - pos
         return self.pattern.search(data, pos)
 
 
@@ -160,9 +228,9 @@ def test_header_parsing_is_linear_in_the_bytes_received(keyed: Sidecar, monkeypa
     """A 30 KB header sent byte by byte, on a fresh connection and again on the same one (keep-alive):
     each byte is scanned for the end of the header block once (plus 3 per read), whatever the reads."""
     assert keyed.http_port is not None
-    counting = _CountingSearch(http_protocol._HEAD_END)
-    monkeypatch.setattr(http_protocol, "_HEAD_END", counting)
     head = _post_head(len(BODY), extra=b"X-Pad: " + b"a" * 30_000 + b"\r\n")
+    counting = _CountingSearch(http_protocol._HEAD_END, head + BODY)
+    monkeypatch.setattr(http_protocol, "_HEAD_END", counting)
     with _connect(keyed.http_port) as s:
         for _request in range(2):
             before_scanned, before_searches = counting.scanned, counting.searches
@@ -319,3 +387,195 @@ def test_a_connection_still_sending_its_first_header_block_is_closed_at_shutdown
         _keyed_calls_answer(sc)  # the sidecar has taken the connection meanwhile
     with partial:
         assert _closed(partial, 5.0)
+
+
+@pytest.fixture(scope="module")
+def stalling(settings: Settings, model_dir: object) -> Iterator[Sidecar]:
+    """A short write timeout, a low pipelining cap; nothing else times out here."""
+    s = sidecar_settings(settings, api_keys=f"shop={KEY}", http_header_timeout_s=60.0, http_body_timeout_s=60.0,
+                         http_write_timeout_s=1.0, http_max_pipelined=8)
+    with SidecarThread(s) as sc:
+        yield sc
+
+
+# An upgrade offer on a connection's first request: h11 serves it (sidecar.http_protocol).
+UPGRADE_HEALTH = (b"GET /health HTTP/1.1\r\nHost: sidecar\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                  b"HTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n\r\n")
+
+
+@pytest.mark.parametrize("first", [HEALTH, UPGRADE_HEALTH], ids=["httptools", "h11"])
+def test_pipelined_requests_past_the_cap_end_the_connection(stalling: Sidecar, first: bytes) -> None:
+    """1 + 8 requests in one write (one answered, 8 sent ahead of their replies): all answered. 1 + 9: the
+    connection is reset (httptools: as the 10th is read; h11: once the first reply is written)."""
+    assert stalling.http_port is not None
+    with _connect(stalling.http_port) as s:
+        s.sendall(first + HEALTH * 8)
+        pending = bytearray()
+        assert [_response(s, buffer=pending)[0] for _ in range(9)] == [200] * 9
+    with _connect(stalling.http_port) as s:
+        s.sendall(first + HEALTH * 9)
+        pending = bytearray()
+        statuses = [_response(s, buffer=pending)[0] for _ in range(10)]
+        assert statuses.count(200) <= (0 if first is HEALTH else 1) and statuses[-1] == 0, statuses
+    _keyed_calls_answer(stalling)
+
+
+PIPELINING_CONNECTIONS = 100
+PIPELINING_GROWTH_MIB = 64.0  # uvicorn alone queued every request of each read: ~10 MB per connection
+
+
+@pytest.mark.parametrize("first", [HEALTH, UPGRADE_HEALTH], ids=["httptools", "h11"])
+def test_pipelining_without_reading_is_bounded(stalling: Sidecar, first: bytes) -> None:
+    """100 connections each pipelining 8,000 GET /health (280 KB) and reading nothing: each is reset at
+    once (past the pipelining cap), the sidecar's memory stays within bounds, a keyed call is answered."""
+    assert stalling.http_port is not None
+    before = _rss_mib()
+    socks = [_connect(stalling.http_port, rcvbuf=4096) for _ in range(PIPELINING_CONNECTIONS)]
+    try:
+        _pour(socks, first + HEALTH * 8000, seconds=5.0)
+        ended_s = _until_ended(socks, timeout_s=10.0)
+        grown = _rss_mib() - before
+        start = time.monotonic()
+        _keyed_calls_answer(stalling)
+        answered_s = time.monotonic() - start
+    finally:
+        for s in socks:
+            s.close()
+    print(f"pipelining flood: ended {ended_s:.2f} s after the last send, +{grown:.0f} MiB, "
+          f"keyed calls answered in {answered_s:.2f} s")
+    assert grown < PIPELINING_GROWTH_MIB, f"{PIPELINING_CONNECTIONS} pipelining connections grew it by {grown:.0f} MiB"
+    assert answered_s < ANSWER_S
+
+
+def _read_slowly(s: socket.socket, chunk: int, pause_s: float) -> bytes:
+    """One whole reply off `s` (less if the server ends it), `chunk` bytes at a time, `pause_s` apart."""
+    data = bytearray()
+    s.settimeout(30)
+    while True:
+        time.sleep(pause_s)
+        want = len(data) + chunk
+        while len(data) < want:
+            more = s.recv(want - len(data))
+            if not more:
+                return bytes(data)
+            data += more
+            end = data.find(b"\r\n\r\n")
+            length = re.search(rb"content-length: *(\d+)", data[:end], re.IGNORECASE) if end >= 0 else None
+            if end >= 0 and length is not None and len(data) >= end + 4 + int(length[1]):
+                return bytes(data)
+
+
+def test_a_reply_never_read_is_aborted_after_the_write_timeout(stalling: Sidecar) -> None:
+    """20 connections each owed two ~2 MB replies (256 texts each, pipelined) that they never read: each is
+    aborted within the write timeout of its reply stalling, its buffers freed. A client that reads its
+    reply slowly (128 KB every 0.4 s: over three write timeouts) is not: it gets all of it."""
+    assert stalling.http_port is not None
+    socks = [_connect(stalling.http_port, rcvbuf=4096) for _ in range(20)]
+    try:
+        for s in socks:
+            s.sendall(_keyed_embed(256) * 2)
+        ended_s = _until_ended(socks, timeout_s=30.0)
+    finally:
+        for s in socks:
+            s.close()
+    start = time.monotonic()
+    with _connect(stalling.http_port, rcvbuf=65536) as slow:
+        slow.sendall(_keyed_embed(128))
+        reply = _read_slowly(slow, 128 * 1024, 0.4)
+    slow_s = time.monotonic() - start
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert len(json.loads(body)["data"]) == 128, f"the slow reader got {len(reply)} bytes"
+    print(f"never read: the 20 ended {ended_s:.1f} s after their requests; the slow reader got "
+          f"{len(reply) / 1e6:.1f} MB in {slow_s:.1f} s")
+    _keyed_calls_answer(stalling)
+
+
+@pytest.fixture
+def crowded_stalls(settings: Settings, model_dir: object) -> Iterator[Sidecar]:
+    """8 connections at most, 4 requests in progress (HTTP: 3), a write timeout that never comes here."""
+    s = sidecar_settings(settings, api_keys=f"shop={KEY}", http_max_connections=8, max_in_flight=4,
+                         http_write_timeout_s=600.0, http_header_timeout_s=60.0, http_body_timeout_s=60.0)
+    with SidecarThread(s) as sc:
+        yield sc
+
+
+def test_stalled_replies_hold_no_place_and_are_evicted_first(crowded_stalls: Sidecar,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 connections (the cap) each owed two ~2 MB replies it never reads: once answered, none holds an
+    in-flight place (HTTP may hold 3), and past the connection cap the one stalled longest is reset for a
+    new one: a keyed call is answered, not 429 or 503."""
+    sc = crowded_stalls
+    assert sc.http_port is not None
+    answered = 0
+    leave = sc.http_gate.leave
+
+    def counted() -> None:
+        nonlocal answered
+        answered += 1
+        leave()
+
+    monkeypatch.setattr(sc.http_gate, "leave", counted)
+    socks = [_connect(sc.http_port, rcvbuf=4096) for _ in range(8)]
+    try:
+        for i, s in enumerate(socks):  # in turn: the first stalls first
+            s.sendall(_keyed_embed(256) * 2)
+
+            async def both_answered(n: int = 2 * (i + 1)) -> None:
+                await until(lambda: answered == n, f"{n} replies started")
+
+            asyncio.run(both_answered())
+        assert sc.http_gate.in_flight == 0
+        time.sleep(http_protocol.STALLED_S + 0.2)
+        r = httpx.post(f"http://127.0.0.1:{sc.http_port}/v1/embeddings", json={"input": "past the stalls"},
+                       headers={"authorization": f"Bearer {KEY}"}, timeout=30)
+        assert r.status_code == 200, r.text
+        _until_ended(socks[:1], timeout_s=5.0)
+        assert all(_established(s) for s in socks[1:])
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_the_limits_hold_on_uvloop(settings: Settings, model_dir: object, tmp_path: Path) -> None:
+    """`sidecar serve` on uvloop (sidecar.event_loop), whose transports are not asyncio's classes: HTTP is
+    served, a pipelining flood is reset at once, a reply never read is reset after the write timeout."""
+    log = tmp_path / "sidecar.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDCAR_")} | {
+        "EMBEDCAR_SIDECAR_EVENT_LOOP": "uvloop", "EMBEDCAR_SIDECAR_API_KEYS": f"shop={KEY}",
+        "EMBEDCAR_SIDECAR_HTTP_WRITE_TIMEOUT_S": "1", "EMBEDCAR_SIDECAR_HTTP_MAX_PIPELINED": "8",
+        "EMBEDCAR_SIDECAR_ADMISSION_BUDGET_MS": "0", "EMBEDCAR_SIDECAR_POLL_S": "0"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "inference.cli_main", "sidecar", "serve", "--models-dir",
+                                 str(settings.model.models_dir), "--variant", "fp32", "--threads", "1",
+                                 "--grpc-port", "0", "--http-port", "0"],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while (ready := re.search(r"sidecar ready: .*, http [\d.]+:(\d+)", log.read_text())) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        port = int(ready[1])
+
+        def keyed_call() -> None:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": "on uvloop"},
+                           headers={"authorization": f"Bearer {KEY}"}, timeout=ANSWER_S)
+            assert r.status_code == 200, r.text
+
+        keyed_call()
+        flood = [_connect(port, rcvbuf=4096) for _ in range(20)]
+        never_read = [_connect(port, rcvbuf=4096) for _ in range(4)]
+        try:
+            _pour(flood, HEALTH * 8000, seconds=5.0)
+            _until_ended(flood, timeout_s=10.0)
+            for s in never_read:
+                s.sendall(_keyed_embed(256) * 2)
+            _until_ended(never_read, timeout_s=30.0)
+        finally:
+            for s in flood + never_read:
+                s.close()
+        keyed_call()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert "Traceback" not in log.read_text(), log.read_text()
