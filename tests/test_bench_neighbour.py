@@ -164,7 +164,8 @@ def test_each_embedded_configuration_states_every_lever() -> None:
                                        "GRPC_EXPERIMENTS": POLLING_IO}
     assert embedded_env("event-engine")["GRPC_EXPERIMENTS"] == ""  # gRPC's own default I/O
     assert embedded_env("stream") == embedded_env("default")  # only the RPC differs
-    assert embedded_env("uvloop") == embedded_env("default") | {"EMBEDCAR_SIDECAR_EVENT_LOOP": "uvloop"}
+    assert embedded_env("default")["EMBEDCAR_SIDECAR_EVENT_LOOP"] == "uvloop"
+    assert embedded_env("asyncio-loop") == embedded_env("default") | {"EMBEDCAR_SIDECAR_EVENT_LOOP": "asyncio"}
     assert embedded_env("triton") == embedded_env("default")
     system = embedded_env("default") | {"EMBEDCAR_SIDECAR_ALLOCATOR": "system"}
     assert embedded_env("system-malloc") == embedded_env("triton-system-malloc") == system

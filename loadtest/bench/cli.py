@@ -207,7 +207,7 @@ def _serving(args: argparse.Namespace) -> int:
 
 # --- neighbour ------------------------------------------------------------------------------
 # loadtest.bench.neighbour.DEFAULT_CONFIGS and CONFIGS (not imported here: slow)
-NEIGHBOUR_CONFIGS = ("model-1t,model-2t,default,every-core,event-engine,stream,uvloop,system-malloc,triton,"
+NEIGHBOUR_CONFIGS = ("model-1t,model-2t,default,every-core,event-engine,stream,asyncio-loop,system-malloc,triton,"
                      "triton-system-malloc")
 NEIGHBOUR_ALL_CONFIGS = NEIGHBOUR_CONFIGS
 

@@ -34,7 +34,7 @@ are gone: their figures are in docs/benchmarks.md, and a report of them still re
                       which the sidecar turns off, inference.grpc_io)
   stream              the defaults, each query a message on one open `Stream` call (how a search node
                       that keeps a stream open calls) instead of a unary Embed call
-  uvloop              + sidecar.event_loop=uvloop: libuv's event loop under grpc.aio and HTTP
+  asyncio-loop        + sidecar.event_loop=asyncio: the standard library's event loop instead of uvloop
   system-malloc       + sidecar.allocator=system: the C library's malloc instead of mimalloc
                       (sidecar/allocator.py; the same as `default` where mimalloc is not installed)
   triton              the sidecar over a local tritonserver (CPU, Python backend); skipped, saying
@@ -89,14 +89,14 @@ EMBEDDED: dict[str, dict[str, object]] = {
     "every-core": {"model.intra_op_threads": os.cpu_count() or 1},
     "event-engine": {EXPERIMENTS: ""},
     "stream": {},  # the defaults; its calls go on the Stream RPC (STREAMED)
-    "uvloop": {"sidecar.event_loop": "uvloop"},
+    "asyncio-loop": {"sidecar.event_loop": "asyncio"},
     "system-malloc": SYSTEM_MALLOC,
 }
 MODEL = {"model-1t": 1, "model-2t": 0}  # ORT threads (0 = every core)
 # The sidecar over a local tritonserver.
 TRITON = {"triton": {}, "triton-system-malloc": SYSTEM_MALLOC}
 CONFIGS = (*MODEL, *EMBEDDED, *TRITON)
-DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "every-core", "event-engine", "stream", "uvloop",
+DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "every-core", "event-engine", "stream", "asyncio-loop",
                    "system-malloc", "triton", "triton-system-malloc")
 STREAMED = {"stream", "stream-aio"}  # configurations whose queries are messages on one open Stream call
 DESCRIPTIONS = {  # the retired configurations' too: their reports still render
@@ -112,6 +112,7 @@ DESCRIPTIONS = {  # the retired configurations' too: their reports still render
     "stream-aio": "sidecar, embedded, grpc.aio on the main port, queries as Stream messages",
     "front": "sidecar, embedded, grpc.aio main port, calls to the compiled front's own port",
     "uvloop": "sidecar, embedded, uvloop's event loop",
+    "asyncio-loop": "sidecar, embedded, asyncio's event loop (not uvloop)",
     "kernel-slice": "sidecar, embedded, the kernel's default CPU slice",
     "system-malloc": "sidecar, embedded, the C library's malloc (not mimalloc)",
     "spinning": "sidecar, embedded, ORT threads spin",
