@@ -55,6 +55,18 @@ def grpc_headers(authority: str, path: str, *, key: str | None = None, extra: He
     return headers + list(extra)
 
 
+def read_some(sock: socket.socket, timeout_s: float) -> tuple[bytes | None, str | None]:
+    """(what arrived within `timeout_s`, None if nothing did; why the connection ended, None while open)."""
+    ready, _, _ = select.select([sock], [], [], timeout_s)
+    if not ready:
+        return None, None
+    try:
+        chunk = sock.recv(1 << 20)
+    except OSError as e:
+        return None, f"recv failed: {e}"
+    return (chunk, None) if chunk else (None, "closed by the server")
+
+
 @dataclass
 class StreamResult:
     """What the server did with one stream."""
@@ -188,16 +200,8 @@ class H2Caller:
         """Reads what has arrived (waiting up to `timeout_s` for the first bytes) and records it."""
         if self.terminated is not None:
             return
-        ready, _, _ = select.select([self.sock], [], [], timeout_s)
-        if not ready:
-            return
-        try:
-            chunk = self.sock.recv(1 << 20)
-        except OSError as e:
-            self.terminated = f"recv failed: {e}"
-            return
-        if not chunk:
-            self.terminated = "closed by the server"
+        chunk, self.terminated = read_some(self.sock, timeout_s)
+        if chunk is None:
             return
         try:
             events = self.conn.receive_data(chunk)
@@ -321,18 +325,10 @@ class RawConnection:
     def pump(self, timeout_s: float = 0.0) -> None:
         """Reads what has arrived (waiting up to `timeout_s` for the first bytes)."""
         while self.terminated is None:
-            ready, _, _ = select.select([self.sock], [], [], timeout_s)
-            if not ready:
+            chunk, self.terminated = read_some(self.sock, timeout_s)
+            if chunk is None:
                 return
             timeout_s = 0.0
-            try:
-                chunk = self.sock.recv(1 << 20)
-            except OSError as e:
-                self.terminated = f"recv failed: {e}"
-                return
-            if not chunk:
-                self.terminated = "closed by the server"
-                return
             self._in += chunk
             self._frames()
 
