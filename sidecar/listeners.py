@@ -33,6 +33,9 @@ RESERVED_FILES = 128
 CHECK_INTERVAL_S = 2.0
 CHECK_TIMEOUT_S = 3.0  # generous: a busy 2-core host still answers within it
 _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# Answers too: the server spoke TLS back (say it wants a client certificate), or accepted and reset at once
+# (a listener at its cap).
+_ANSWERED = (ssl.SSLError, ConnectionResetError)
 _H2_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # an empty SETTINGS frame
 
 
@@ -107,10 +110,8 @@ async def _exchange(listener: Listener) -> bool:
             reader, writer = await asyncio.open_unix_connection(listener.host, ssl=context)
         else:
             reader, writer = await asyncio.open_connection(host, listener.port, ssl=context)
-    except ssl.SSLError:
-        return True  # the server spoke TLS back (e.g. it wants a client certificate): it accepts
-    except ConnectionResetError:
-        return True  # accepted and closed at once: a listener at its cap
+    except _ANSWERED:
+        return True
     try:
         if listener.protocol == "h2":
             writer.write(_H2_PREFACE + _H2_SETTINGS)
@@ -119,9 +120,7 @@ async def _exchange(listener: Listener) -> bool:
         await writer.drain()
         await reader.read(9)  # a frame header or a status line's start; b"" = closed by a listener at its cap
         return True
-    except ssl.SSLError:
-        return True
-    except ConnectionResetError:
+    except _ANSWERED:
         return True
     finally:
         writer.close()

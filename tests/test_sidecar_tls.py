@@ -4,6 +4,7 @@ are made at test time (`embedcar triton certs`' code); none is committed."""
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,6 +99,10 @@ def test_mutual_tls_admits_only_certificates_from_the_client_ca(
         with pytest.raises(httpx.HTTPError):
             httpx.post(url, json={"input": "x"}, headers={"Authorization": f"Bearer {KEY}"},
                        verify=_verify(pool), timeout=10)
+        # The sidecar's own listener check presents no certificate: the handshake's answer is its answer.
+        check, task = sc.listener_check, sc._listener_task
+        assert check is not None and task is not None and {lst.tls for lst in check.listeners} == {True}
+        assert asyncio.run_coroutine_threadsafe(check.check_once(), task.get_loop()).result(30)
         assert sc.serving
 
 
