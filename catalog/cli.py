@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from catalog.sources import GROCERY_SOURCE, compose_text
 from inference.cli import add_model_flags
 from inference.errors import InvalidInput, NotFound
 from inference.flags import add_flags, flag_overrides
+from inference.settings import env_name
 
 
 def _count(text: str) -> int:
@@ -37,10 +40,18 @@ def _common(p: argparse.ArgumentParser, *, source: bool = True) -> None:
         p.add_argument("--id-field", default="id", help="column holding the product id")
         p.add_argument("--delimiter", default=None,
                        help="a CSV's field separator: ',', ';', '|', 'tab' ... (default: sniffed from its header)")
-        add_flags(p, "catalog", CatalogSettings, "text_fields")
+        add_flags(p, "catalog", CatalogSettings, "text_fields", "filter_fields")
         p.add_argument("--limit", type=_count, default=None, help="only the first N valid rows")
+    _name_flag(p, source)
     add_flags(p, "catalog", CatalogSettings, "index_root", "index_type", "batch_size", "in_flight")
     add_model_flags(p)
+
+
+def _name_flag(p: argparse.ArgumentParser, source: bool = False) -> None:
+    default = "the source file's name ('grocery' for the demo catalog)" if source else "none: --index-root"
+    p.add_argument("--name", default=None,
+                   help=f"the catalog's name: its index lives in indexes/NAME beside the demo's (default: {default}; "
+                   "--index-root overrides)")
 
 
 def _publish_checks(p: argparse.ArgumentParser) -> None:
@@ -51,7 +62,38 @@ def _publish_checks(p: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    return Settings.load(overrides=flag_overrides(args))
+    """The settings, with the index root of the catalog named by --name (or, building, by its file)
+    when no --index-root / EMBEDCAR_CATALOG__INDEX_ROOT says where: a team's first build of its own
+    file never lands in another catalog's index."""
+    overrides = flag_overrides(args)
+    settings = Settings.load(overrides=overrides)
+    explicit = "index_root" in overrides.get("catalog", {}) or env_name("catalog", "index_root") in os.environ
+    name = getattr(args, "name", None)
+    if name is None and getattr(args, "func", None) in (_build, _merge):
+        name = catalog_name(args.source)
+    if explicit or name is None:
+        return settings
+    root = settings.catalog.index_root.parent / _check_name(name)
+    return settings.with_section("catalog", index_root=root)
+
+
+def catalog_name(source: str) -> str:
+    """`grocery`, or a file's name without its format and compression suffixes, as a folder name."""
+    if source == GROCERY_SOURCE:
+        return GROCERY_SOURCE
+    stem = Path(source).name
+    while (suffix := Path(stem).suffix.lower()) in _SUFFIXES:
+        stem = stem[: -len(suffix)]
+    return re.sub(r"[^a-z0-9._-]+", "-", stem.lower()).strip(".-") or "catalog"
+
+
+_SUFFIXES = {".jsonl", ".ndjson", ".csv", ".tsv", ".parquet", ".gz", ".zst", ".json", ".txt"}
+
+
+def _check_name(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name):
+        raise InvalidInput(f"--name {name!r}: letters, digits, '.', '_' and '-' only (a folder under indexes/)")
+    return name
 
 
 def _spec(args: argparse.Namespace, settings: Settings, shard: tuple[int, int] = (0, 1)) -> Any:
@@ -88,19 +130,29 @@ def register(sub: Any) -> None:
     g.set_defaults(func=_generate)
 
     s = csub.add_parser("search", help="embed queries and search the newest index version")
+    _name_flag(s)
     add_flags(s, "catalog", CatalogSettings, "index_root", "complete_last_word")  # only what searching reads
     add_model_flags(s)
     s.add_argument("queries", nargs="+", help="query texts")
     s.add_argument("-k", type=int, default=10, help="results per query")
-    s.add_argument("--department", default=None, help="only this department")
-    s.add_argument("--aisle", default=None, help="only this aisle")
+    s.add_argument("--filter", action="append", default=[], metavar="FIELD=VALUE",
+                   help="(repeatable) only products with this value of one of the index's filter fields")
+    s.add_argument("--department", default=None, help="only this department (= --filter department=VALUE)")
+    s.add_argument("--aisle", default=None, help="only this aisle (= --filter aisle=VALUE)")
     s.add_argument("--mode", default="semantic", choices=("semantic", "lexical", "hybrid"),
                    help="semantic (FAISS), lexical (BM25, the last word a prefix) or both fused")
     s.set_defaults(func=_search)
 
-    i = csub.add_parser("info", help="print the newest index version's manifest")
+    i = csub.add_parser("info", help="print the newest index version's manifest, and the builds held back")
+    _name_flag(i)
     add_flags(i, "catalog", CatalogSettings, "index_root")
     i.set_defaults(func=_info)
+
+    d = csub.add_parser("drop-held", help="delete builds held back by the publish checks (`catalog info` lists them)")
+    _name_flag(d)
+    add_flags(d, "catalog", CatalogSettings, "index_root")
+    d.add_argument("held", nargs="*", help="held version names (default: all)")
+    d.set_defaults(func=_drop_held)
 
     x = csub.add_parser("export", help="the newest index version of the served model as a search engine's bulk feed "
                         "(docs/integrations/)")
@@ -174,21 +226,36 @@ def _build(args: argparse.Namespace) -> int:
     settings = _settings(args)
     spec = _spec(args, settings, parse_shard(args.shard))
     summary = asyncio.run(build(settings, spec, backend_kind=args.backend, progress=not args.no_progress,
-                                force=args.force))
+                                force=args.force, say=_say))
     print(summary.describe())
     for bad in summary.bad_rows[:20]:
         print(f"  skipped line {bad.line}: {bad.reason}")
     if len(summary.bad_rows) > 20:
         print(f"  ... and {len(summary.bad_rows) - 20} more (see the index manifest)")
+    _serve_hint(settings, summary.version_dir)
     return 0
+
+
+def _say(line: str) -> None:
+    """A phase's status line on stderr: after the progress bar ends, what the build does and took."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def _serve_hint(settings: Settings, version: Path | None) -> None:
+    if version is None:  # a shard: the merge publishes
+        return
+    fields = store.read_manifest(version).get("filter_fields") or []
+    print(f"filter fields: {', '.join(fields) or 'none (declare them with --filter-fields)'}")
+    print(f"serve it: embedcar sidecar serve --index-dir {settings.catalog.index_root}")
 
 
 def _merge(args: argparse.Namespace) -> int:
     from catalog.job import merge
 
     settings = _settings(args)
-    summary = merge(settings, _spec(args, settings, (0, args.shards)), force=args.force)
+    summary = merge(settings, _spec(args, settings, (0, args.shards)), force=args.force, say=_say)
     print(summary.describe())
+    _serve_hint(settings, summary.version_dir)
     return 0
 
 
@@ -218,21 +285,53 @@ def _search(args: argparse.Namespace) -> int:
                             backend)
         emb = asyncio.run(embedder.embed(index.embedding_texts(args.queries))).embeddings
     shown = tuple(index.manifest.get("text_fields") or ("title",))
-    found, _ranking = index.query(args.queries, emb, args.k, mode=mode, department=args.department, aisle=args.aisle)
+    found, _ranking = index.query(args.queries, emb, args.k, mode=mode, department=args.department, aisle=args.aisle,
+                                  filters=_filters(args.filter))
     for query, hits in zip(args.queries, found, strict=True):
         print(f"{query!r} ({index.version}, {index.size} items, {mode.value}):")
         for h in hits:
-            where = " / ".join(h.fields.get(f, "") for f in ("department", "aisle") if h.fields.get(f))
+            where = " / ".join(h.fields.get(f, "") for f in index.filter_fields if h.fields.get(f))
             print(f"  {h.score:.3f}  {h.id:>8}  {compose_text(h.fields, shown)}  [{where}]  {'+'.join(h.legs)}")
     return 0
 
 
+def _filters(given: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in given:
+        field, eq, value = item.partition("=")
+        if not eq or not field.strip():
+            raise InvalidInput(f"--filter wants FIELD=VALUE, got {item!r}")
+        out[field.strip()] = value
+    return out
+
+
 def _info(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    newest = store.newest_version(settings.catalog.index_root)
-    if newest is None:
-        raise NotFound(f"no complete index under {settings.catalog.index_root}")
-    print(json.dumps(store.read_manifest(newest) | {"path": str(newest)}, indent=2))
+    root = settings.catalog.index_root
+    newest = store.newest_version(root)
+    held = store.refused_versions(root)
+    if newest is None and not held:
+        raise NotFound(f"no complete index under {root}")
+    if newest is not None:
+        print(json.dumps(store.read_manifest(newest) | {"path": str(newest)}, indent=2))
+    for path, why in held:
+        print(f"held back: {path.name}: {why} (publish: rerun the build with --force; "
+              f"delete: embedcar catalog drop-held --index-root {root} {path.name})")
+    return 0
+
+
+def _drop_held(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    root = settings.catalog.index_root
+    held = {p.name: p for p, _why in store.refused_versions(root) if p.name.startswith(store.HELD_PREFIX)}
+    unknown = [n for n in args.held if n not in held]
+    if unknown:
+        raise NotFound(f"no held version {unknown[0]!r} under {root} (held: {', '.join(held) or 'none'})")
+    for name in args.held or list(held):
+        store.drop(held[name])
+        print(f"deleted {held[name]}")
+    if not held:
+        print(f"no held versions under {root}")
     return 0
 
 

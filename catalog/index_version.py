@@ -1,5 +1,5 @@
 """One loaded index version: the FAISS index, vectors, products and lexical index read from a
-version folder and checked against each other, with its department/aisle filters cached. Immutable
+version folder and checked against each other, with its filters (catalog/filters.py) cached. Immutable
 once published to searchers: catalog/index.py swaps a whole version by replacing one reference."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from catalog import filters as filtering
 from catalog import store
 from catalog.faiss_lib import faiss_module, ivf_of
 from inference.errors import ModelError
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
 
 F32 = npt.NDArray[np.float32]
 I64 = npt.NDArray[np.int64]
-FILTER_FIELDS = ("department", "aisle")
 _FILTER_CACHE = 256
 
 
@@ -39,30 +39,49 @@ class Snapshot:
     on_gpu: bool
     lexical: LexicalIndex | None  # None: a version built before lexical search
     completer: Completer | None = None  # the version's vocabulary, where complete_last_word is on
-    filters: OrderedDict[tuple[str, str], tuple[I64, Any]] = field(default_factory=OrderedDict)
+    filters: OrderedDict[filtering.Filters, tuple[I64, Any]] = field(default_factory=OrderedDict)
     filters_lock: threading.Lock = field(default_factory=threading.Lock)
+    _values: dict[str, frozenset[str]] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
         return int(self.vectors.shape[0])
 
-    def filter_rows(self, department: str | None, aisle: str | None) -> tuple[I64, Any]:
-        """Rows matching the filter (case-insensitive) and a FAISS selector over them (cached)."""
+    @property
+    def filter_fields(self) -> tuple[str, ...]:
+        """The columns this version filters on (older versions: department and aisle)."""
+        return tuple(self.manifest.get("filter_fields", filtering.DEFAULT_FIELDS))
+
+    def check_filters(self, requested: dict[str, str]) -> filtering.Filters:
+        """A request's filters as this version's fields and values, or InvalidInput naming what it has."""
+        if not requested:
+            return ()
+        fields = [f for f in self.filter_fields if f in self.table.column_names]
+        return filtering.check(requested, fields, {f: self._field_values(f) for f in fields}, self.path.name)
+
+    def _field_values(self, name: str) -> frozenset[str]:
+        hit = self._values.get(name)
+        if hit is None:  # ~ms at 50k rows, once per field and version
+            hit = self._values[name] = frozenset(
+                v for v in self._normalized(name).unique().to_pylist() if v)
+        return hit
+
+    def _normalized(self, name: str) -> Any:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        key = ((department or "").strip().lower(), (aisle or "").strip().lower())
+        return pc.utf8_lower(pc.utf8_trim_whitespace(self.table[name].cast(pa.string())))
+
+    def filter_rows(self, key: filtering.Filters) -> tuple[I64, Any]:
+        """Rows matching checked filters and a FAISS selector over them (cached)."""
+        import pyarrow.compute as pc
+
         hit = self.filters.get(key)
         if hit is not None:
             return hit
         mask = np.ones(self.size, dtype=bool)
-        for name, want in zip(FILTER_FIELDS, key, strict=True):
-            if not want:
-                continue
-            if name not in self.table.column_names:
-                mask[:] = False
-                break
-            col = pc.utf8_lower(pc.utf8_trim_whitespace(self.table[name].cast(pa.string())))
+        for name, want in key:
+            col = self._normalized(name)
             mask &= np.asarray(pc.fill_null(pc.equal(col, want), False).to_numpy(zero_copy_only=False))
         rows = np.flatnonzero(mask).astype(np.int64)
         faiss = faiss_module()

@@ -34,9 +34,10 @@ from catalog import store
 from catalog.calibration import calibration_queries
 from catalog.checkpoints import WORK_DIR, Checkpoints
 from catalog.embedding import ChunkedEmbedder
+from catalog.filters import filter_fields, product_columns
 from catalog.index_build import resolve_type
 from catalog.lock import exclusive
-from catalog.publish import PublishChecks, check_build, check_limits, publish_index
+from catalog.publish import PublishChecks, check_build, check_limits, check_same_catalog, publish_index
 from catalog.settings import ENGINES, Settings
 from catalog.shards import gather_shards, group_dir, publish_shard, select_shard
 from catalog.sources import BadRow, Loaded, Product, compose_text, read_path
@@ -91,12 +92,14 @@ def job_backend(settings: Settings, kind: str = "embedded") -> Backend:
 
 async def build(settings: Settings, spec: BuildSpec, *, backend: Backend | None = None,
                 backend_kind: str = "embedded", loaded: Loaded | None = None, progress: bool = True,
-                on_chunk: Callable[[int], None] | None = None, force: bool = False) -> BuildSummary:
+                on_chunk: Callable[[int], None] | None = None, force: bool = False,
+                say: Callable[[str], None] | None = None) -> BuildSummary:
     """Embed `spec.source` and publish a new index version (or, with a shard n > 1, a shard).
 
     A version that fails its publish checks is written aside, not made current, and FailedPrecondition
     says why, unless `force`. `backend` is used as given (and left open); None = one of `backend_kind`,
-    closed at the end. `on_chunk(k)` runs after chunk k is checkpointed (tests inject crashes there)."""
+    closed at the end. `on_chunk(k)` runs after chunk k is checkpointed (tests inject crashes there).
+    `say`: a status line per phase after embedding (the CLI prints them: a big index takes seconds)."""
     t0 = time.perf_counter()
     started = _now()
     cs = settings.catalog
@@ -104,6 +107,8 @@ async def build(settings: Settings, spec: BuildSpec, *, backend: Backend | None 
     loaded = loaded or _read(spec)
     if loaded.bad:
         log.warning("%s", loaded.summary())
+    fields = filter_fields(cs.filter_fields, product_columns(loaded.products), loaded.source)
+    check_same_catalog(settings, [p.id for p in loaded.products])
     i, n = spec.shard
     sel = select_shard(loaded.products, i, n)
     if not sel.products:
@@ -133,12 +138,14 @@ async def build(settings: Settings, spec: BuildSpec, *, backend: Backend | None 
             vectors = await emb.run(texts, checkpoints)
         calibration = None
         if n == 1 and _approximate(settings, spec, len(texts)):
+            if say is not None:
+                say("embedding calibration queries for the approximate index")
             calibration = await calibration_queries(texts, _tokenizer(settings, "query"), await _started(be),
                                                     cs.batch_size)
     finally:
         if own:
             await be.close()
-    meta = _meta(settings, spec, loaded, model_id, started, emb.embed_seconds, emb.embedded_items)
+    meta = _meta(settings, spec, loaded, model_id, started, emb.embed_seconds, emb.embedded_items, fields)
     summary = BuildSummary(items=len(sel.products), skipped=len(loaded.bad), bad_rows=loaded.bad,
                            seconds=0.0, embed_seconds=emb.embed_seconds,
                            items_per_s=emb.embedded_items / max(emb.embed_seconds, 1e-9), model_id=model_id,
@@ -148,7 +155,7 @@ async def build(settings: Settings, spec: BuildSpec, *, backend: Backend | None 
                                      force=force)
         summary.version_dir, summary.index = publish_index(settings, vectors, sel.products, meta,
                                                            index_type=spec.index_type, calibration=calibration,
-                                                           checks=summary.checks)
+                                                           checks=summary.checks, say=say)
         if not summary.checks.servable:  # the checkpoints stay, so the --force run resumes, not re-embeds
             raise FailedPrecondition(summary.checks.refusal(summary.version_dir, "rerun the build with --force "
                                                             "(it resumes from this run's embeddings)"))
@@ -161,24 +168,26 @@ async def build(settings: Settings, spec: BuildSpec, *, backend: Backend | None 
 
 
 def merge(settings: Settings, spec: BuildSpec, *, loaded: Loaded | None = None,
-          model_id: str | None = None, force: bool = False) -> BuildSummary:
+          model_id: str | None = None, force: bool = False, say: Callable[[str], None] | None = None) -> BuildSummary:
     """Concatenate the n shards of `spec.source` (in source order) and publish one index version,
     checked as `build` checks one (held and FailedPrecondition on failure, unless `force`)."""
     t0 = time.perf_counter()
     started = _now()
     check_limits(settings.catalog)
     loaded = loaded or _read(spec)
+    fields = filter_fields(settings.catalog.filter_fields, product_columns(loaded.products), loaded.source)
+    check_same_catalog(settings, [p.id for p in loaded.products])
     if model_id is None:
         model_id = _configured_model_id(settings)
     group = group_dir(settings, spec, loaded, model_id)
     shards = gather_shards(group, spec.shard[1], model_id)
-    meta = _meta(settings, spec, loaded, model_id, started, shards.embed_seconds, len(shards.products))
+    meta = _meta(settings, spec, loaded, model_id, started, shards.embed_seconds, len(shards.products), fields)
     calibration = None
     if _approximate(settings, spec, len(shards.products)):
         calibration = run_sync(_merge_calibration(settings, shards.products, spec.text_fields, model_id))
     checks = check_build(settings, items=len(shards.products), bad=loaded.bad, model_id=model_id, force=force)
     version, params = publish_index(settings, shards.vectors, shards.products, meta, index_type=spec.index_type,
-                                    calibration=calibration, checks=checks)
+                                    calibration=calibration, checks=checks, say=say)
     if not checks.servable:  # the shards stay, so the --force merge needs no shard rebuilt
         raise FailedPrecondition(checks.refusal(version, "rerun the merge with --force"))
     shutil.rmtree(group, ignore_errors=True)
@@ -253,10 +262,11 @@ def _now() -> str:
 
 
 def _meta(settings: Settings, spec: BuildSpec, loaded: Loaded, model_id: str, started: str,
-          embed_seconds: float, embedded_items: int) -> dict[str, Any]:
+          embed_seconds: float, embedded_items: int, fields: tuple[str, ...]) -> dict[str, Any]:
     return {
         "model_id": model_id,
         "text_fields": list(spec.text_fields),
+        "filter_fields": list(fields),
         "source": loaded.source,
         "build": {
             "started": started,

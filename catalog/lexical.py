@@ -6,7 +6,9 @@ One tantivy index in the version folder (`lexical/`), one document per product r
     text                the analysed words of the indexed text (BM25 with term frequencies)
     prefix              every prefix of every word up to PREFIX_MAX_CHARS (edge n-grams): a partial
                         word is one term, so it costs one posting list and gets its own BM25 weight
-    department, aisle   trimmed, lowercased, untokenized: filters as term queries
+    filter0, filter1... the version's filter fields (catalog/filters.py), trimmed, lowercased,
+                        untokenized: filters as term queries (versions built before filter fields
+                        name them department, aisle)
 
 Words come from one tantivy TextAnalyzer run here in Python, for documents and queries alike, and
 the fields use tantivy's built-in whitespace/raw tokenizers: reading the index needs no custom
@@ -28,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 import tantivy
 
+from catalog.filters import DEFAULT_FIELDS, Filters, value_key
 from catalog.sources import Product
 from inference.errors import Internal, ModelError
 from inference.text import check_unicode
@@ -36,7 +39,6 @@ LEXICAL_DIR = "lexical"
 ANALYZER = "simple,remove_long(40),lowercase,ascii_fold"  # recorded in the manifest
 PREFIX_MAX_CHARS = 20  # longer typed prefixes are cut to this: 20 shared letters pick out one word
 MAX_QUERY_WORDS = 32  # a 10,000-character text must not become a 2,000-clause query
-FILTER_FIELDS = ("department", "aisle")
 _WRITER_HEAP = 64_000_000  # the writer flushes a segment whenever this fills
 
 I64 = npt.NDArray[np.int64]
@@ -64,11 +66,6 @@ def edge_ngrams(ws: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(w[:n] for w in ws for n in range(1, min(len(w), PREFIX_MAX_CHARS) + 1)))
 
 
-def filter_value(value: str) -> str:
-    """As the FAISS filter compares (catalog.index: trimmed, case-insensitive)."""
-    return value.strip().lower()
-
-
 @dataclass(frozen=True, slots=True)
 class Terms:
     """What a query text searches: whole words, and the last word as a prefix while it is being typed."""
@@ -88,22 +85,29 @@ class Terms:
         return cls(tuple(dict.fromkeys(ws[:-1])), ws[-1][:PREFIX_MAX_CHARS])
 
 
-def _schema() -> tantivy.Schema:
+def _filter_names(n: int) -> list[str]:
+    """Tantivy's names for the filter fields: a column's own name may be anything a file allows."""
+    return [f"filter{i}" for i in range(n)]
+
+
+def _schema(filter_names: Sequence[str]) -> tantivy.Schema:
     sb = tantivy.SchemaBuilder()
     sb.add_unsigned_field("row", fast=True)
     sb.add_text_field("text", tokenizer_name="whitespace", index_option="freq")
     sb.add_text_field("prefix", tokenizer_name="whitespace", index_option="freq")
-    for name in FILTER_FIELDS:
+    for name in filter_names:
         sb.add_text_field(name, tokenizer_name="raw", index_option="basic")
     return sb.build()
 
 
-def build_lexical(path: Path, texts: Sequence[str], products: Sequence[Product]) -> dict[str, Any]:
+def build_lexical(path: Path, texts: Sequence[str], products: Sequence[Product],
+                  filter_fields: Sequence[str] = ()) -> dict[str, Any]:
     """Write the lexical index of `products` (row i = texts[i], the same text FAISS embedded) into
     the empty folder `path`; returns its manifest entry."""
     t0 = time.perf_counter()
     path.mkdir(parents=True, exist_ok=True)
-    index = tantivy.Index(_schema(), path=str(path), reuse=False)
+    names = _filter_names(len(filter_fields))
+    index = tantivy.Index(_schema(names), path=str(path), reuse=False)
     writer = index.writer(heap_size=_WRITER_HEAP, num_threads=1)
     for row, (text, product) in enumerate(zip(texts, products, strict=True)):
         ws = words(text)
@@ -111,8 +115,8 @@ def build_lexical(path: Path, texts: Sequence[str], products: Sequence[Product])
         doc.add_unsigned("row", row)
         doc.add_text("text", " ".join(ws))
         doc.add_text("prefix", " ".join(edge_ngrams(ws)))
-        for name in FILTER_FIELDS:
-            if value := filter_value(product.fields.get(name, "")):
+        for name, field in zip(names, filter_fields, strict=True):
+            if value := value_key(product.fields.get(field, "")):
                 doc.add_text(name, value)
         writer.add_document(doc)
     writer.commit()
@@ -120,7 +124,8 @@ def build_lexical(path: Path, texts: Sequence[str], products: Sequence[Product])
     for f in path.iterdir():  # tantivy writes meta.json 0600: readable by the sidecar's user like the rest
         f.chmod(0o644)
     return {"dir": LEXICAL_DIR, "docs": len(texts), "analyzer": ANALYZER, "prefix_max_chars": PREFIX_MAX_CHARS,
-            "tantivy": importlib.metadata.version("tantivy"), "build_seconds": round(time.perf_counter() - t0, 3)}
+            "filter_fields": list(filter_fields), "tantivy": importlib.metadata.version("tantivy"),
+            "build_seconds": round(time.perf_counter() - t0, 3)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,10 +139,14 @@ class LexicalHits:
 class LexicalIndex:
     """One version's lexical index, read-only; thread-safe (tantivy searchers are)."""
 
-    def __init__(self, index: tantivy.Index, docs: int) -> None:
+    def __init__(self, index: tantivy.Index, docs: int, filter_fields: Sequence[str] | None = None) -> None:
         self._schema = index.schema
         self._searcher = index.searcher()
         self.docs = docs
+        # column -> tantivy field; None: built before filter fields, which named the fields themselves
+        fields = DEFAULT_FIELDS if filter_fields is None else filter_fields
+        names = DEFAULT_FIELDS if filter_fields is None else _filter_names(len(fields))
+        self._filters = dict(zip(fields, names, strict=True))
 
     @classmethod
     def open(cls, version_dir: Path, entry: dict[str, Any]) -> LexicalIndex:
@@ -150,7 +159,7 @@ class LexicalIndex:
             index = tantivy.Index.open(str(path))
             # The version is immutable: no reload policy, so no watcher thread per loaded version.
             index.config_reader(reload_policy="manual")
-            out = cls(index, int(entry.get("docs", -1)))
+            out = cls(index, int(entry.get("docs", -1)), entry.get("filter_fields"))
         except (OSError, ValueError) as exc:
             raise ModelError(f"lexical index of {version_dir.name} is unreadable: {exc}") from exc
         if out._searcher.num_docs != out.docs:
@@ -158,8 +167,7 @@ class LexicalIndex:
                              f"its manifest says {out.docs}")
         return out
 
-    def queries(self, terms: Terms, department: str | None,
-                aisle: str | None) -> tuple[tantivy.Query, tantivy.Query | None] | None:
+    def queries(self, terms: Terms, filters: Filters = ()) -> tuple[tantivy.Query, tantivy.Query | None] | None:
         """(any word: BM25 over the words with the prefix as one more term; every word: the same
         clauses all required, None when there is one), filtered; filters must match and do not score.
         None when the text has nothing to search."""
@@ -169,24 +177,23 @@ class LexicalIndex:
             clauses.append(term(self._schema, "prefix", terms.prefix))
         if not clauses:
             return None
-        filters = [(tantivy.Occur.Must, tantivy.Query.const_score_query(term(self._schema, name, v), 0.0))
-                   for name, raw in zip(FILTER_FIELDS, (department, aisle), strict=True)
-                   if (v := filter_value(raw or ""))]
+        musts = [(tantivy.Occur.Must, tantivy.Query.const_score_query(term(self._schema, self._filters[f], v), 0.0))
+                 for f, v in filters]
 
         def filtered(q: tantivy.Query) -> tantivy.Query:
-            return tantivy.Query.boolean_query([(tantivy.Occur.Must, q), *filters]) if filters else q
+            return tantivy.Query.boolean_query([(tantivy.Occur.Must, q), *musts]) if musts else q
 
         any_word = filtered(tantivy.Query.boolean_query([(tantivy.Occur.Should, c) for c in clauses]))
         if len(clauses) == 1:
             return any_word, None
         return any_word, filtered(tantivy.Query.boolean_query([(tantivy.Occur.Must, c) for c in clauses]))
 
-    def search(self, text: str, k: int, *, department: str | None = None, aisle: str | None = None) -> LexicalHits:
+    def search(self, text: str, k: int, *, filters: Filters = ()) -> LexicalHits:
         """The best `k` products for one query text by BM25, which of the best `k` matching every word
         there are and how many words (the prefix one) were searched, for the fusion; empty when the
         text has no word (punctuation only, say)."""
         terms = Terms.of(text)
-        qs = self.queries(terms, department, aisle)
+        qs = self.queries(terms, filters)
         if qs is None or k < 1:
             return LexicalHits(np.zeros(0, np.int64), np.zeros(0, np.float32), frozenset())
         any_word, every_word = qs

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,11 +23,14 @@ import numpy.typing as npt
 
 from catalog import store
 from catalog.faiss_lib import faiss_module
+from catalog.filters import filter_fields as resolve_filter_fields
+from catalog.filters import product_columns
 from catalog.index_build import build_faiss
 from catalog.lexical import LEXICAL_DIR, build_lexical
 from catalog.product_table import write_products
 from catalog.settings import CatalogSettings, Settings
 from catalog.sources import BadRow, Product, compose_text
+from inference.errors import FailedPrecondition
 from inference.settings import check_range
 
 F32 = npt.NDArray[np.float32]
@@ -104,16 +107,42 @@ def check_build(settings: Settings, *, items: int, bad: Sequence[BadRow], model_
                          limits=tuple((name, getattr(cs, name)) for name in LIMITS))
 
 
+def check_same_catalog(settings: Settings, ids: Sequence[str]) -> None:
+    """Refuse, before any embedding, a build whose ids barely overlap the current version's: another
+    catalog pointed at this index root (a team's first file landing in the demo's index). Not a
+    publish check --force passes: replacing one catalog by another is never what a build means."""
+    cs = settings.catalog
+    current = store.newest_version(cs.index_root)
+    if cs.min_id_overlap <= 0 or current is None or not ids:
+        return
+    import pyarrow.parquet as pq
+
+    try:
+        theirs = {str(v) for v in pq.read_table(current / store.PRODUCTS_FILE, columns=["id"])["id"].to_pylist()}
+    except (OSError, ValueError, KeyError):
+        return  # an unreadable version is not evidence of another catalog
+    shared = len(theirs.intersection(ids))
+    if shared < cs.min_id_overlap * min(len(theirs), len(ids)):
+        raise FailedPrecondition(
+            f"another catalog: {shared} of this build's {len(ids)} ids are among the {len(theirs)} of "
+            f"{cs.index_root}'s current version {current.name} (min_id_overlap {cs.min_id_overlap:.0%}). Build it "
+            f"into its own index: --name NAME (indexes/NAME) or --index-root FOLDER")
+
+
 def publish_index(settings: Settings, vectors: F32, products: Sequence[Product], meta: dict[str, Any],
                   *, index_type: str | None = None, calibration: F32 | None = None,
-                  checks: PublishChecks | None = None) -> tuple[Path, dict[str, Any]]:
+                  checks: PublishChecks | None = None,
+                  say: Callable[[str], None] | None = None) -> tuple[Path, dict[str, Any]]:
     """Publish a new version of `products` (row i = vectors[i]); returns it and the index parameters.
-    With `checks` that failed (and were not forced) it is written as a held version instead."""
+    With `checks` that failed (and were not forced) it is written as a held version instead.
+    `say`: one status line per phase, with its time (a 100k-item index takes seconds to build)."""
     faiss = faiss_module()
     root = settings.catalog.index_root
+    say = say or (lambda _line: None)
     t0 = time.perf_counter()
     index, params = build_faiss(vectors, settings.catalog, index_type=index_type, queries=calibration)
     params["build_seconds"] = round(time.perf_counter() - t0, 3)
+    say(f"FAISS index built: {params.get('type')}, {len(products)} items, {params['build_seconds']:.1f} s")
     held = checks is not None and not checks.servable
     name = store.held_name(store.new_version_name()) if held else store.new_version_name()
     manifest = {"format": store.FORMAT, "version": name, "count": len(products), "dim": int(vectors.shape[1]),
@@ -124,16 +153,24 @@ def publish_index(settings: Settings, vectors: F32, products: Sequence[Product],
 
     # The lexical index searches the very text that was embedded (the manifest's text fields).
     text_fields = tuple(meta.get("text_fields") or settings.catalog.text_fields)
+    if "filter_fields" in meta:  # the job resolved them against the file's columns
+        filter_fields = tuple(meta["filter_fields"])
+    else:
+        filter_fields = resolve_filter_fields(settings.catalog.filter_fields, product_columns(products), "products")
+    manifest["filter_fields"] = list(filter_fields)
 
     def write(tmp: Path) -> None:
         faiss.write_index(index, str(tmp / store.INDEX_FILE))
         np.save(tmp / store.VECTORS_FILE, np.ascontiguousarray(vectors, dtype=np.float32))
         write_products(tmp / store.PRODUCTS_FILE, products)
-        manifest["lexical"] = build_lexical(tmp / LEXICAL_DIR, [compose_text(p.fields, text_fields) for p in products],
-                                            products)
+        manifest["lexical"] = lexical = build_lexical(
+            tmp / LEXICAL_DIR, [compose_text(p.fields, text_fields) for p in products], products, filter_fields)
+        say(f"lexical index built: {lexical['docs']} documents, {lexical['build_seconds']:.1f} s")
         (tmp / store.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
+    t1 = time.perf_counter()
     version = store.publish(root, write, name=name)
+    say(f"{'held back' if held else 'published'}: {version} ({time.perf_counter() - t1:.1f} s to write)")
     if held:
         store.prune_held(root, keep=KEEP_HELD)
     else:

@@ -19,11 +19,16 @@ class CatalogSettings:
     (docs/scale.md, docs/benchmarks.md), none is a per-deployment choice."""
 
     index_root: Path = setting(Path("indexes/grocery"), "Folder of versioned index directories; relative: under "
-                               "the data home (EMBEDCAR_HOME).", home=True)
+                               "the data home (EMBEDCAR_HOME). `catalog build` left without it builds each catalog "
+                               "into its own folder beside this one: indexes/<--name, else the file's name>.",
+                               home=True)
     index_type: str = setting("auto", "auto (exact up to 20k items, HNSW up to 200k, IVF-PQ above), flat (exact), "
                               "hnsw, ivf, or ivfpq (IVF-PQ + a re-rank copy: compressed).")
     text_fields: tuple[str, ...] = setting(
         ("title",), "Product fields joined (with ' | ') into the embedded text.")
+    filter_fields: tuple[str, ...] = setting(
+        (), "Columns Search may filter on (matched to the file's columns case-insensitively; a name no column "
+        "has is refused with a did-you-mean); none = department and aisle where the catalog has them.")
     # Publish checks (catalog/publish.py): a build failing one is written aside, not made current.
     max_bad_share: float = setting(
         0.01, "Publish check: a build whose bad rows (skipped) are more than this share of the rows read, and "
@@ -34,6 +39,10 @@ class CatalogSettings:
     min_count_share: float = setting(
         0.5, "Publish check: a build with fewer items than this share of the current version's is held back "
         "(a catalog does not halve overnight; a truncated or misread file does). 0 = off.", min=0, max=1)
+    min_id_overlap: float = setting(
+        0.1, "A build sharing fewer than this share of its ids (of the smaller catalog) with the current version "
+        "is another catalog: refused before embedding, --force or not; build it into its own index root "
+        "(--name or --index-root). 0 = off.", min=0, max=1)
     engine: str = setting("local", "Batch job engine: local (this process) or ray (a Ray Data actor pool, same "
                           "vectors and checkpoints).", choices=ENGINES)
     ray_address: str = setting("", "engine=ray: a running Ray cluster's address; empty = a local Ray sized to "
@@ -57,7 +66,7 @@ class CatalogSettings:
         True, "Search (semantic and hybrid): embed the query with its half-typed last word completed to the "
         "index version's most frequent word starting with it ('ice cr' -> 'ice cream'; catalog/completion.py); "
         "the lexical leg keeps the typed text. Semantic recall@10 at 25 % of a query's characters measured "
-        "0.141 -> 0.245 (aisle names); hybrid at most 0.003 lower at any cut (docs/benchmarks.md, issue 45).",
+        "0.141 -> 0.245 (aisle names); hybrid at most 0.003 lower at any cut (docs/benchmarks.md).",
         advanced=True)
 
 

@@ -164,11 +164,15 @@ def prune(root: Path, *, keep: int) -> list[Path]:
         by_model.setdefault(model, []).append(v)
     old = sorted(v for vs in by_model.values() for v in (vs[:-keep] if keep > 0 else []))
     for v in old:
-        # Rename first so a half-deleted version never looks complete.
-        hidden = v.with_name(f".del-{v.name}")
-        v.rename(hidden)
-        shutil.rmtree(hidden, ignore_errors=True)
+        drop(v)
     return old
+
+
+def drop(version: Path) -> None:
+    """Delete a version folder; renamed first so a half-deleted version never looks complete."""
+    hidden = version.with_name(f".del-{version.name}")
+    version.rename(hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def prune_held(root: Path, *, keep: int) -> list[Path]:
@@ -177,9 +181,7 @@ def prune_held(root: Path, *, keep: int) -> list[Path]:
     held = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(HELD_PREFIX + VERSION_PREFIX))
     old = held[:-keep] if keep > 0 else held
     for v in old:
-        hidden = v.with_name(f".del-{v.name}")
-        v.rename(hidden)
-        shutil.rmtree(hidden, ignore_errors=True)
+        drop(v)
     return old
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from catalog.filters import merged
 from inference.errors import EmbedcarError, Internal, InvalidInput, Overloaded
 from sidecar.errors import status
 from sidecar.metrics import Metrics
@@ -161,8 +162,8 @@ class Requests:
             mode = pb.SearchMode.Name(req.mode)
         except ValueError:
             raise InvalidInput(f"unknown search mode {req.mode}") from None
-        found = await self.service.search_call(call, req.texts, k=req.k, department=req.department,
-                                               aisle=req.aisle, mode=mode)
+        filters = merged(dict(req.filters), department=req.department, aisle=req.aisle)
+        found = await self.service.search_call(call, req.texts, k=req.k, filters=filters, mode=mode)
         return pb.SearchReply(
             results=[pb.HitList(hits=[pb.Hit(id=h.id, score=h.score, fields=h.fields, legs=h.legs) for h in hits])
                      for hits in found.hits],

@@ -33,7 +33,7 @@ import math
 import os
 import pwd
 import stat
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -104,9 +104,11 @@ def embed_request(texts: Texts, float16: bool, model: str | None = None) -> pb.E
 
 
 def search_request(texts: Texts, k: int, department: str | None, aisle: str | None,
-                   mode: str = SEMANTIC, model: str | None = None) -> pb.SearchRequest:
+                   mode: str = SEMANTIC, model: str | None = None,
+                   filters: Mapping[str, str] | None = None) -> pb.SearchRequest:
+    """`filters`: field -> value on the index's filter fields; `department` / `aisle` are shorthands."""
     return pb.SearchRequest(texts=text_list(texts), k=k, department=department or "", aisle=aisle or "",
-                            mode=mode_label(mode), model=model or "")
+                            mode=mode_label(mode), model=model or "", filters=dict(filters or {}))
 
 
 def map_rpc_error(exc: grpc.RpcError) -> EmbedcarError:
@@ -344,9 +346,9 @@ class AsyncClient(_Calls):
         return decode_embed(reply)
 
     async def search(self, texts: Texts, *, k: int = 10, department: str | None = None,
-                     aisle: str | None = None, mode: str = SEMANTIC,
-                     model: str | None = None, timeout_s: float | None = None) -> SearchResult:
-        req = search_request(texts, k, department, aisle, mode, model)
+                     aisle: str | None = None, mode: str = SEMANTIC, model: str | None = None,
+                     filters: Mapping[str, str] | None = None, timeout_s: float | None = None) -> SearchResult:
+        req = search_request(texts, k, department, aisle, mode, model, filters)
         if self._session is not None:
             return decode_search((await self._session.request(pb.StreamRequest(search=req), timeout_s)).search)
         with RPC_ERRORS:
@@ -386,10 +388,11 @@ class Client(_Calls):
 
     def search(self, texts: Texts, *, k: int = 10, department: str | None = None,
                aisle: str | None = None, mode: str = SEMANTIC, model: str | None = None,
-               timeout_s: float | None = None) -> SearchResult:
+               filters: Mapping[str, str] | None = None, timeout_s: float | None = None) -> SearchResult:
+        """`filters`: field -> value on the index's filter fields (`department` / `aisle`: shorthands)."""
         with RPC_ERRORS:
-            reply = self._stub.Search(search_request(texts, k, department, aisle, mode, model), timeout=timeout_s,
-                                      metadata=self._metadata)
+            reply = self._stub.Search(search_request(texts, k, department, aisle, mode, model, filters),
+                                      timeout=timeout_s, metadata=self._metadata)
         return decode_search(reply)
 
     def raw_embed(self, payload: bytes, *, timeout_s: float | None = None) -> bytes:

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 
+from catalog.filters import merged
 from catalog.fusion import SearchMode, parse_mode
 from inference.errors import EmbedcarError, InvalidInput, Unauthenticated
 from inference.pooling import l2_normalize
@@ -55,8 +56,11 @@ EMBEDDINGS_FIELDS: dict[str, tuple[str, str]] = {
 SEARCH_FIELDS: dict[str, tuple[str, str]] = {
     "input": ("string or [string]", "required: the queries; a string is one query"),
     "k": ("integer", "hits per query (default 10, at most sidecar.max_k)"),
-    "department": ("string", "only products of this department"),
-    "aisle": ("string", "only products of this aisle"),
+    "filters": ("{field: string}", "only products with these values (case-insensitive) of the index's filter "
+                "fields (`catalog build --filter-fields`); a field or value the index lacks is a 400 naming what "
+                "it has"),
+    "department": ("string", "shorthand for filters.department"),
+    "aisle": ("string", "shorthand for filters.aisle"),
     "mode": ('"semantic", "lexical" or "hybrid"', "the embedding's nearest products, BM25 + last-word prefix, or "
              "both fused by reciprocal rank (default semantic)"),
     "model": _MODEL,
@@ -145,8 +149,7 @@ def truncate_dimensions(emb: np.ndarray, dims: int | None, *, normalize: bool = 
 class SearchBody:
     texts: list[str]
     k: int
-    department: str | None
-    aisle: str | None
+    filters: dict[str, str]
     mode: SearchMode
     model: str | None = None
 
@@ -183,7 +186,8 @@ def _input_texts(raw: object, detail: str = "") -> list[str]:
 
 
 def parse_search_request(body: bytes) -> SearchBody:
-    """`{"input": str | [str], "k"?, "department"?, "aisle"?, "mode"?: "semantic" | "lexical" | "hybrid"}`,
+    """`{"input": str | [str], "k"?, "filters"?: {field: value}, "department"?, "aisle"?, "mode"?:
+    "semantic" | "lexical" | "hybrid"}`,
     or InvalidInput saying what is wrong; mode defaults to semantic, as in gRPC."""
     doc = _json_object(body)
     _reject_unknown(doc, SEARCH_FIELDS)
@@ -191,16 +195,20 @@ def parse_search_request(body: bytes) -> SearchBody:
     k = doc.get("k", 10)
     if not isinstance(k, int) or isinstance(k, bool):
         raise InvalidInput("`k` must be an integer")
-    filters: list[str | None] = []
+    shorthand: list[str | None] = []
     for name in ("department", "aisle"):
         value = doc.get(name)
         if value is not None and not isinstance(value, str):
             raise InvalidInput(f"`{name}` must be a string")
-        filters.append(value or None)
+        shorthand.append(value or None)
+    given = doc.get("filters") or {}
+    if not isinstance(given, dict) or not all(isinstance(v, str) for v in given.values()):
+        raise InvalidInput("`filters` must be an object of strings ({\"brand\": \"acme\"})")
+    filters = merged(given, department=shorthand[0], aisle=shorthand[1])
     mode = doc.get("mode", SearchMode.SEMANTIC.value)
     if not isinstance(mode, str):
         raise InvalidInput("`mode` must be \"semantic\", \"lexical\" or \"hybrid\"")
-    return SearchBody(texts, k, filters[0], filters[1], parse_mode(mode), _model_field(doc))
+    return SearchBody(texts, k, filters, parse_mode(mode), _model_field(doc))
 
 
 def _api_key(headers: Headers) -> str | None:
@@ -269,7 +277,7 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int, 
         try:
             q = parse_search_request(await request.body())
             out = await service.search_call(service.call(_tenant(request), model=q.model), q.texts, k=q.k,
-                                            department=q.department, aisle=q.aisle, mode=q.mode)
+                                            filters=q.filters, mode=q.mode)
         except Exception as exc:
             return _error(failure(metrics, "http_search", exc))
         metrics.requests.labels("http_search", "ok").inc()

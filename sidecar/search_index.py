@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -132,23 +132,12 @@ class IndexHolder:
                 log.warning("not swapping to product index %s: %s; still serving %s", path.name, why,
                             serving or "no index")
 
-    async def search(self, index: ProductIndex, queries: np.ndarray, k: int, *, department: str | None,
-                     aisle: str | None) -> list[list[Hit]]:
-        try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._executor, lambda: index.search(queries, k, department=department, aisle=aisle))
-        except EmbedcarError:
-            raise
-        except Exception as exc:
-            raise Internal(f"index search failed: {exc}") from exc
-
     async def query(self, index: ProductIndex, texts: Sequence[str], queries: np.ndarray | None, k: int, *,
-                    mode: SearchMode, department: str | None,
-                    aisle: str | None) -> tuple[list[list[Hit]], Ranking]:
+                    mode: SearchMode, filters: Mapping[str, str]) -> tuple[list[list[Hit]], Ranking]:
         """`ProductIndex.query` in the worker thread: the hits, and each leg's time."""
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self._executor, lambda: index.query(texts, queries, k, mode=mode, department=department, aisle=aisle))
+                self._executor, lambda: index.query(texts, queries, k, mode=mode, filters=filters))
         except EmbedcarError:
             raise
         except Exception as exc:

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from catalog.filters import merged
 from catalog.fusion import SearchMode, parse_mode
 from inference.backends.base import Embeddings
 from inference.errors import InvalidInput, Overloaded, Unauthenticated
@@ -142,14 +143,16 @@ class EmbedService:
                             call.served.version_id)
 
     async def search(self, texts: Sequence[object], *, k: int = 10, department: str | None = None,
-                     aisle: str | None = None, mode: SearchMode | str = SearchMode.SEMANTIC,
-                     model: str | None = None, api_key: str | None = None,
-                     deadline: float | None = None) -> SearchOutcome:
+                     aisle: str | None = None, filters: Mapping[str, str] | None = None,
+                     mode: SearchMode | str = SearchMode.SEMANTIC, model: str | None = None,
+                     api_key: str | None = None, deadline: float | None = None) -> SearchOutcome:
         return await self.search_call(self.open(api_key, model=model, deadline=deadline), texts, k=k,
-                                      department=department, aisle=aisle, mode=mode)
+                                      filters=merged(filters, department=department, aisle=aisle), mode=mode)
 
-    async def search_call(self, call: Call, texts: Sequence[object], *, k: int = 10, department: str | None = None,
-                          aisle: str | None = None, mode: SearchMode | str = SearchMode.SEMANTIC) -> SearchOutcome:
+    async def search_call(self, call: Call, texts: Sequence[object], *, k: int = 10,
+                          filters: Mapping[str, str] | None = None,
+                          mode: SearchMode | str = SearchMode.SEMANTIC) -> SearchOutcome:
+        """`filters`: field -> value (catalog/filters.py: department and aisle are fields like any other)."""
         tm, served = call.timings, call.served  # its pipeline and its index, whatever a rollout does meanwhile
         mode = parse_mode(mode)
         k = k or 10
@@ -177,8 +180,7 @@ class EmbedService:
             emb = await served.pipeline.run(embedded, call.deadline, tm, call.partition)
             vectors, cache_hits, backend = emb.embeddings, emb.cache_hits, emb.backend
         t2 = time.perf_counter_ns()
-        hits, ranking = await holder.query(index, clean, vectors, k, mode=mode, department=department or None,
-                                           aisle=aisle or None)
+        hits, ranking = await holder.query(index, clean, vectors, k, mode=mode, filters=filters or {})
         t3 = time.perf_counter_ns()
         tm.lexical = ranking.lexical_ns
         tm.search = t3 - t2 - ranking.lexical_ns  # the FAISS leg, fusion, the hits' fields and the thread hop

@@ -178,7 +178,10 @@ def test_filters_return_only_matching_products(s: Settings, kind: str, exact_sub
     rows = np.array([i for i in range(3000) if i % 3 == 2 and i % 7 == 2])
     best = rows[np.argmax(x[rows] @ x[0])]
     assert both[0][0].id == f"p{best}"
-    assert idx.search(x[:2], k=3, aisle="no such aisle") == [[], []]
+    with pytest.raises(InvalidInput, match="no product in index version .* has aisle 'aisle 9'; did you mean "
+                       "'aisle [0-6]'"):
+        idx.search(x[:2], k=3, aisle="aisle 9")
+    assert idx.search(x[:2], k=3, filters={"Department": "snacks", "aisle": "aisle 2"})[0][0].id == f"p{best}"
 
 
 def test_bad_queries_are_invalid_input(s: Settings) -> None:

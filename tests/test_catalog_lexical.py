@@ -111,8 +111,14 @@ def test_the_partial_last_word_matches_as_a_prefix_with_bm25_over_whole_words(id
 def test_filters_are_exact_case_insensitive_terms_on_both_fields(idx: ProductIndex) -> None:
     assert set(titles(idx, "choc", department=" Dairy Eggs")) == {"Chocolate Milk"}
     assert set(titles(idx, "mi", department="snacks", aisle="CANDY chocolate")) == {"Milky Way Minis"}
-    assert titles(idx, "choc", aisle="candy") == []  # a filter is a whole value, not a word
-    assert titles(idx, "bananas", department="no such department") == []
+    # A filter is a whole value, not a word; a value no product has is refused with the near ones,
+    # never answered with an empty shelf.
+    with pytest.raises(InvalidInput, match="has aisle 'candy'; did you mean 'candy chocolate'"):
+        titles(idx, "choc", aisle="candy")
+    with pytest.raises(InvalidInput, match="no product in index version .* has department 'no such department'"):
+        titles(idx, "bananas", department="no such department")
+    with pytest.raises(InvalidInput, match="has no filter field 'brand'; its filter fields: department, aisle"):
+        idx.query(["milk"], None, 5, mode=SearchMode.LEXICAL, filters={"brand": "acme"})
 
 
 # Expected by hand from TITLES, never through the analyser under test: whole words match whole

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from catalog.fusion import SearchMode
 from catalog.publish import publish_index
 from catalog.sources import Product
 from embedcar_settings import Settings
@@ -96,7 +97,7 @@ async def test_a_reload_leaves_the_index_a_search_already_holds_on_its_version(t
         now = holder.current()
         assert now is not None and now.version == second.name and now.size == 50
         assert held.version == first.name and held.size == 40  # untouched by the reload
-        hits = await holder.search(held, x[:3], 2, department=None, aisle=None)
+        hits, _ranking = await holder.query(held, ["a", "b", "c"], x[:3], 2, mode=SearchMode.SEMANTIC, filters={})
         assert all(h.id.startswith("old-") for row in hits for h in row)
         assert held.reloaded() is not None and now.reloaded() is None  # nothing newer than `now`
     finally:

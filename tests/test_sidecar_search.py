@@ -168,6 +168,40 @@ def test_operators_quotes_unicode_and_empty_prefixes_are_searched_safely(search_
                 c.search(bad, k=3, mode=mode)
 
 
+def test_filters_on_any_field_and_their_mistakes_over_grpc_stream_and_http(search_sidecar: Sidecar) -> None:
+    """`filters` takes the index's filter fields by name, case-insensitively; a field the index lacks or a
+    value no product has is INVALID_ARGUMENT / 400 naming what there is, never an empty list."""
+    url = f"http://127.0.0.1:{search_sidecar.http_port}/v1/search"
+    with Client(search_sidecar.grpc_target) as c:
+        got = c.search(["milk"], k=5, mode="hybrid", filters={"Department": " DAIRY EGGS", "aisle": "eggs"})
+        assert [h.id for h in got.hits[0]] == ["p4"]
+        with pytest.raises(InvalidInput, match="has no filter field 'brand'; its filter fields: department, aisle"):
+            c.search(["milk"], filters={"brand": "acme"})
+        with pytest.raises(InvalidInput, match="has department 'frozn'; did you mean 'frozen'"):
+            c.search(["pizza"], department="frozn", mode="lexical")
+        with pytest.raises(InvalidInput, match="given twice"):
+            c.search(["pizza"], department="frozen", filters={"department": "produce"})
+
+        async def streamed() -> None:
+            from sidecar.client import AsyncClient
+
+            async with AsyncClient(search_sidecar.grpc_target, stream=True) as ac:
+                with pytest.raises(InvalidInput, match="did you mean 'frozen'"):
+                    await ac.search(["pizza"], filters={"department": "frozn"})
+                ok = await ac.search(["pizza"], k=2, filters={"department": "frozen"})
+                assert [h.id for h in ok.hits[0]] == ["p6"]
+
+        asyncio.run(streamed())
+    ok = httpx.post(url, json={"input": "milk", "filters": {"AISLE": "eggs"}}, timeout=30)
+    assert ok.status_code == 200 and [h["id"] for h in ok.json()["data"][0]["hits"]] == ["p4"]
+    for body, needle in (({"input": "milk", "filters": {"brand": "x"}}, "its filter fields: department, aisle"),
+                         ({"input": "milk", "filters": {"aisle": "egs"}}, "did you mean 'eggs'"),
+                         ({"input": "milk", "filters": ["aisle"]}, "`filters` must be an object"),
+                         ({"input": "milk", "filters": {"aisle": 3}}, "`filters` must be an object")):
+        bad = httpx.post(url, json=body, timeout=30)
+        assert bad.status_code == 400 and needle in bad.json()["error"]["message"], (body, bad.text)
+
+
 def test_an_unknown_search_mode_is_invalid_argument(search_sidecar: Sidecar) -> None:
     with grpc.insecure_channel(search_sidecar.grpc_target) as ch:
         call = ch.unary_unary("/embedcar.v1.Embedder/Search")

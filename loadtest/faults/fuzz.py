@@ -115,7 +115,9 @@ search_requests = st.builds(
     pb.SearchRequest, texts=st.lists(texts, max_size=4),
     k=st.one_of(st.integers(0, 120), st.integers(0, 2**32 - 1)),
     department=st.one_of(st.sampled_from(DEPARTMENTS), st.text(max_size=20)),
-    aisle=st.one_of(st.sampled_from(["", "yogurt", "fresh fruits"]), st.text(max_size=20)))
+    aisle=st.one_of(st.sampled_from(["", "yogurt", "fresh fruits"]), st.text(max_size=20)),
+    filters=st.dictionaries(st.one_of(st.sampled_from(["department", "AISLE", "brand"]), st.text(max_size=12)),
+                            st.one_of(st.sampled_from(DEPARTMENTS), st.text(max_size=20)), max_size=3))
 
 
 @st.composite

@@ -79,20 +79,29 @@ class EmbedReply(_message.Message):
     def __init__(self, embeddings: _Optional[bytes] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., model: _Optional[str] = ..., cache_hits: _Optional[_Iterable[bool]] = ..., truncated: _Optional[_Iterable[bool]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class SearchRequest(_message.Message):
-    __slots__ = ("texts", "k", "department", "aisle", "mode", "model")
+    __slots__ = ("texts", "k", "department", "aisle", "mode", "model", "filters")
+    class FiltersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     DEPARTMENT_FIELD_NUMBER: _ClassVar[int]
     AISLE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    FILTERS_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     k: int
     department: str
     aisle: str
     mode: SearchMode
     model: str
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., department: _Optional[str] = ..., aisle: _Optional[str] = ..., mode: _Optional[_Union[SearchMode, str]] = ..., model: _Optional[str] = ...) -> None: ...
+    filters: _containers.ScalarMap[str, str]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., department: _Optional[str] = ..., aisle: _Optional[str] = ..., mode: _Optional[_Union[SearchMode, str]] = ..., model: _Optional[str] = ..., filters: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Hit(_message.Message):
     __slots__ = ("id", "score", "fields", "legs")
