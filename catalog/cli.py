@@ -56,14 +56,14 @@ def _name_flag(p: argparse.ArgumentParser, source: bool = False) -> None:
 
 def _publish_checks(p: argparse.ArgumentParser) -> None:
     """The publish checks' limits and the way past them (build and merge)."""
-    add_flags(p, "catalog", CatalogSettings, "max_bad_share", "max_bad_rows", "min_count_share")
+    add_flags(p, "catalog", CatalogSettings, "max_bad_share", "max_bad_rows", "min_count_share", "min_id_overlap")
     p.add_argument("--force", action="store_true",
                    help="publish even if the publish checks fail (recorded in the version's manifest)")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
     """The settings, with the index root of the catalog named by --name (or, building, by its file)
-    when no --index-root / EMBEDCAR_CATALOG__INDEX_ROOT says where: a team's first build of its own
+    when no --index-root / EMBEDCAR_CATALOG_INDEX_ROOT says where: a team's first build of its own
     file never lands in another catalog's index."""
     overrides = flag_overrides(args)
     settings = Settings.load(overrides=overrides)

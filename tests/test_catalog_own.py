@@ -30,7 +30,7 @@ def titles(grocery_slice: Loaded) -> list[tuple[str, str, str]]:
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh data home: nothing built, no index root configured."""
     monkeypatch.setenv("EMBEDCAR_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("EMBEDCAR_CATALOG__INDEX_ROOT", raising=False)
+    monkeypatch.delenv("EMBEDCAR_CATALOG_INDEX_ROOT", raising=False)
     return tmp_path / "home"
 
 
