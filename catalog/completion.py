@@ -1,4 +1,4 @@
-"""Completing a typeahead query's half-typed last word before it is embedded (issue 45).
+"""Completing a typeahead query's half-typed last word before it is embedded.
 
 A shopper's "dairy free ice cr" ends in a fragment the embedding model does not understand, and
 semantic search on short prefixes scored far below lexical (`embedcar catalog quality --prefixes`).

@@ -10,7 +10,11 @@ Formats (docs/integrations/ shows each engine's mapping and the command that loa
 - `solr`: a JSON array of documents for `/update`;
 - `vespa`: JSON Lines of `put` operations for `vespa feed` (the tensor as `{"values": [...]}`).
 Vectors are written as float32 values in shortest decimal form: the engine reads back exactly the
-float32 the catalog job stored.
+float32 the catalog job stored. Fields are written typed where the catalog had types (JSON Lines,
+Parquet: numbers as JSON numbers, booleans, lists), so an engine's dynamic mapping stores a price as
+a number; a CSV's fields are text. The product id is its exact text everywhere (Elasticsearch's `_id`,
+Solr's `id` and Vespa's document id are strings; `product_id` too, so one Vespa schema fits any catalog):
+what the catalog's rows join back on.
 """
 
 from __future__ import annotations
@@ -58,12 +62,12 @@ def documents(version_dir: Path, spec: ExportSpec) -> Iterator[str]:
     for product, row in zip(products, vectors, strict=True):
         # float32 -> Python float keeps the float32 value; repr is its shortest exact decimal.
         values = np.asarray(row, dtype=np.float32).tolist()
-        fields: dict[str, Any] = {name: value for name, value in product.fields.items() if name != spec.field}
+        fields: dict[str, Any] = {name: value for name, value in product.typed().items() if name != spec.field}
         if spec.fmt in ("elasticsearch", "opensearch"):
             yield _json({"index": {"_index": spec.index, "_id": product.id}})
             yield _json(fields | {spec.field: values})
-        elif spec.fmt == "solr":
-            yield _json({"id": product.id} | fields | {spec.field: values})
+        elif spec.fmt == "solr":  # a field named "id" (the id was another column) must not replace the key
+            yield _json({"id": product.id} | {k: v for k, v in fields.items() if k != "id"} | {spec.field: values})
         else:
             yield _json({"put": f"id:{spec.namespace}:{spec.doc_type}::{product.id}",
                          "fields": fields | {"product_id": product.id, spec.field: {"values": values}}})

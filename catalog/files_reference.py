@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from catalog.settings import CatalogSettings
-from catalog.sources import DELIMITER_NAMES, DELIMITERS, FORMATS, GROCERY_COLUMNS, GROCERY_SOURCE
+from catalog.sources import COMPRESSIONS, DELIMITER_NAMES, DELIMITERS, FORMATS, GROCERY_COLUMNS, GROCERY_SOURCE
 from catalog.spec import BuildSpec
 
 _SHOWN = {"\t": "tab", ",": "`,`", ";": "`;`", "|": "`|`"}
@@ -23,6 +23,7 @@ def catalog_files_page() -> str:
     for suffix, fmt in FORMATS.items():
         by_format.setdefault(fmt, []).append(f"`{suffix}`")
     names = ", ".join(f"`{n}`" for n in DELIMITER_NAMES)
+    compressed = ", ".join(f"`{c}` ({kind})" for c, kind in COMPRESSIONS.items())
     lines = [
         "# Catalog files",
         "",
@@ -41,19 +42,36 @@ def catalog_files_page() -> str:
         "",
         "Columns:",
         "",
-        f"- **id** (`--id-field`, default `{id_field}`): the product's id, text or a number; a row without one "
-        "is a bad row.",
+        f"- **id** (`--id-field`, default `{id_field}`): the product's id, text or an integer, kept exactly as "
+        "the source has it: the id an export writes and a search engine joins on. A CSV's ids are text as "
+        "written (`007` stays `007`). A whole-number float is that integer (`2001.0`, what pandas makes of an "
+        "integer column with a gap, is `2001`; past 2^53, where floats skip integers, a bad row); a row whose "
+        "id is another float (`3.5`), a boolean, a list or an object is a bad row naming it, and so is a row "
+        "without one (null, empty, NaN). The build records whether every id was an integer (`int`) or not "
+        "(`string`).",
         f"- **text fields** (`--text-fields`, default `{text_fields}`): joined with ` | ` into the text that is "
         "embedded; a row whose text fields are all empty is a bad row, a list or an object there too.",
-        "- every other column is kept with the product and returned by Search (`fields`); a list or an object "
-        "there is kept as JSON text. `department` and `aisle` are what Search's filters match.",
+        "- every other column is kept with the product and returned by Search (`fields`, as text); a list or an "
+        "object there is kept as JSON text. `department` and `aisle` are what Search's filters match.",
+        "",
+        "Types: Search returns every field as text, but `embedcar catalog export` writes a JSON Lines or "
+        "Parquet field as its type when the column agrees on one: numbers as JSON numbers (integers and "
+        "floats together as floats), booleans, lists and objects; a column of mixed types as text. A CSV has "
+        "no types: its fields are exported as text, and the engine's mapping (a `float` field for `price`) "
+        "converts them.",
+        "",
+        f"Compressed files are read as they are: a CSV, TSV or JSON Lines file named with {compressed} after its "
+        "format's suffix (`products.csv.gz`, `products.jsonl.zst`). The checks below see the decompressed "
+        "text and bad rows are numbered by its lines. A `.gz` that is not gzip data is refused saying what it "
+        "looks like; a compressed `.parquet` too (Parquet compresses its own columns: decompress it).",
         "",
         f"A CSV's delimiter is sniffed from its first lines among {', '.join(_SHOWN[d] for d in DELIMITERS)} "
         f"(a tie goes to the first), or given: `--delimiter` takes one character or {names}.",
         "",
         "Refused as a whole, in one line naming the file (and the line or the columns found): a file that is not "
         "what its name says (a CSV named `.parquet`, a spreadsheet), text that is not UTF-8 (UTF-16 from a "
-        "spreadsheet), a quote left open, a header without the id column or a `--text-fields` column. A few bad "
+        "spreadsheet, or Latin-1 of any length), a quote left open, a header without the id column or a "
+        "`--text-fields` column, a compressed stream cut short. A few bad "
         "rows are reported and skipped; more than `catalog.max_bad_rows` and `catalog.max_bad_share` allow, "
         "or far fewer products than the current version, and the new version is held back, not served "
         "(`--force` publishes it; [commands.md](commands.md#embedcar-catalog-build)).",

@@ -16,6 +16,7 @@ from typing import SupportsFloat, SupportsInt
 
 from inference.errors import InvalidInput
 
+CARRIER_TIER = 0.5  # added to the fused score of a row carrying every typed attribute
 SEMANTIC_LEG = "semantic"
 LEXICAL_LEG = "lexical"
 
@@ -98,7 +99,7 @@ class Fusion:
     second, held-out draw of known-item queries. With catalog.complete_last_word the semantic leg
     got far better on short prefixes and the one-word tier in lexical order (weight 8) fell below
     semantic on aisle names at 25 / 50 %; `single_word_weight` 0.5 was chosen on a small grid with
-    the other weights kept (issue 45, "Fusion with completion").
+    the other weights kept (docs/benchmarks.md, "Fusion with completion").
 
     The defaults are those calibrated values, what the sidecar always uses (not settings: the build
     neither calibrates nor records them); `embedcar catalog quality --prefixes` takes flags to try others.
@@ -113,9 +114,11 @@ class Fusion:
     single_word_weight: float = 0.5  # 8 (= complete_weight) fell below semantic on aisle names at 25 / 50 %
 
     def fuse(self, semantic: Ranked, lexical: Ranked, complete: AbstractSet[int], limit: int, *,
-             single_word: bool = False) -> Ranked:
+             single_word: bool = False, carriers: AbstractSet[int] | None = None) -> Ranked:
         """The best `limit` of both legs' rows; `complete`: the rows matching every typed word;
-        `single_word`: the query was one word or prefix (every lexical hit is then complete)."""
+        `single_word`: the query was one word or prefix (every lexical hit is then complete);
+        `carriers`: with attributes typed (catalog/attributes.py), the rows carrying them all, which
+        rank above the rows that do not (tier 2a, between the complete rows and the rest)."""
         k = self.k
         tier_weight = self.single_word_weight if single_word else self.complete_weight
         ranks = {SEMANTIC_LEG: _ranks(semantic.rows), LEXICAL_LEG: _ranks(lexical.rows)}
@@ -127,5 +130,8 @@ class Fusion:
                 continue
             s = 1.0 / (k + sem[r]) if r in sem else 0.0
             x = 1.0 / (k + lex[r]) if r in lex else 0.0
-            scores[r] = 1.0 + s + tier_weight * x if r in complete else s + rest_weight * x
+            if r in complete:
+                scores[r] = 1.0 + s + tier_weight * x
+            else:  # < 1 + ... (RRF terms are at most 1/(k+1) each): below every complete row
+                scores[r] = s + rest_weight * x + (CARRIER_TIER if carriers is not None and r in carriers else 0.0)
         return _top(scores, ranks, limit)

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -45,6 +45,7 @@ class Hit:
     score: float
     fields: dict[str, str]
     legs: tuple[str, ...] = ()  # the search leg(s) that found it: "semantic", "lexical"
+    matched: tuple[str, ...] = ()  # the typed attributes it carries ("dairy free"; catalog/attributes.py)
 
 
 @dataclass(slots=True)
@@ -54,6 +55,7 @@ class Ranking:
     lists: list[Ranked]
     semantic_ns: int = 0
     lexical_ns: int = 0
+    attributes: list[tuple[str, ...]] = field(default_factory=list)  # typed in full, per query (if any)
 
 
 class ProductIndex:
@@ -199,7 +201,7 @@ class ProductIndex:
         snap = self._snap
         key = snap.check_filters(merged(filters, department=department, aisle=aisle))
         ranking = self._rank(snap, texts, queries, k, mode, key)
-        return _hits(snap, ranking.lists), ranking
+        return _hits(snap, ranking.lists, ranking.attributes), ranking
 
     def rank(self, texts: Sequence[str], queries: npt.NDArray[np.floating] | None, k: int = 10, *,
              mode: SearchMode = SearchMode.SEMANTIC, department: str | None = None, aisle: str | None = None,
@@ -242,9 +244,16 @@ class ProductIndex:
             t0 = time.perf_counter_ns()
             lex = [snap.lexical.search(t, depth, filters=filters) for t in texts]
             out.lexical_ns = time.perf_counter_ns() - t0
+        if snap.lexical is not None:
+            from catalog.lexical import Terms  # tantivy: loaded with the version's lexical index
+
+            out.attributes = ([x.attributes for x in lex] if lexical else
+                              [snap.lexical.typed(Terms.of(t)).attributes for t in texts])
         if semantic and lexical:
+            assert snap.lexical is not None
             out.lists = [fusion.fuse(s, Ranked.single(LEXICAL_LEG, x.rows, x.scores), x.complete, k,
-                                     single_word=x.terms == 1) for s, x in zip(sem, lex, strict=True)]
+                                     single_word=x.terms == 1, carriers=snap.lexical.carrying(x.attributes))
+                         for s, x in zip(sem, lex, strict=True)]
         elif lexical:
             out.lists = [Ranked.single(LEXICAL_LEG, x.rows, x.scores) for x in lex]
         else:
@@ -317,19 +326,22 @@ def _vectors(snap: Snapshot, queries: npt.NDArray[np.floating]) -> F32:
     return q
 
 
-def _hits(snap: Snapshot, lists: list[Ranked]) -> list[list[Hit]]:
+def _hits(snap: Snapshot, lists: list[Ranked], attributes: Sequence[tuple[str, ...]] = ()) -> list[list[Hit]]:
     import pyarrow as pa
 
     flat = [r for ranked in lists for r in ranked.rows]
     records = snap.table.take(pa.array(flat, type=pa.int64())).to_pylist() if flat else []
     it = iter(records)
     out: list[list[Hit]] = []
-    for ranked in lists:
+    for i, ranked in enumerate(lists):
+        typed = attributes[i] if i < len(attributes) else ()
         hits = []
-        for s, legs in zip(ranked.scores, ranked.legs, strict=True):
+        for row, s, legs in zip(ranked.rows, ranked.scores, ranked.legs, strict=True):
             rec = next(it)
             pid = _text(rec.pop("id"))
-            hits.append(Hit(pid, s, {kk: _text(v) for kk, v in rec.items() if v is not None and v != ""}, legs))
+            matched = tuple(a for a in typed if snap.lexical is not None and row in snap.lexical.carriers(a))
+            hits.append(Hit(pid, s, {kk: _text(v) for kk, v in rec.items() if v is not None and v != ""}, legs,
+                            matched))
         out.append(hits)
     return out
 

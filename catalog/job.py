@@ -268,6 +268,7 @@ def _meta(settings: Settings, spec: BuildSpec, loaded: Loaded, model_id: str, st
         "text_fields": list(spec.text_fields),
         "filter_fields": list(fields),
         "source": loaded.source,
+        "id_type": loaded.id_type,
         "build": {
             "started": started,
             "finished": _now(),

@@ -6,6 +6,8 @@ One tantivy index in the version folder (`lexical/`), one document per product r
     text                the analysed words of the indexed text (BM25 with term frequencies)
     prefix              every prefix of every word up to PREFIX_MAX_CHARS (edge n-grams): a partial
                         word is one term, so it costs one posting list and gets its own BM25 weight
+    attrs               the product's attributes (catalog/attributes.py), one raw term each: a typed
+                        attribute is matched as one term, never by its words apart
     filter0, filter1... the version's filter fields (catalog/filters.py), trimmed, lowercased,
                         untokenized: filters as term queries (versions built before filter fields
                         name them department, aisle)
@@ -30,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 import tantivy
 
+from catalog.attributes import Typed, Vocabulary
 from catalog.filters import DEFAULT_FIELDS, Filters, value_key
 from catalog.sources import Product
 from inference.errors import Internal, ModelError
@@ -39,6 +42,7 @@ LEXICAL_DIR = "lexical"
 ANALYZER = "simple,remove_long(40),lowercase,ascii_fold"  # recorded in the manifest
 PREFIX_MAX_CHARS = 20  # longer typed prefixes are cut to this: 20 shared letters pick out one word
 MAX_QUERY_WORDS = 32  # a 10,000-character text must not become a 2,000-clause query
+ATTRS = "attrs"
 _WRITER_HEAP = 64_000_000  # the writer flushes a segment whenever this fills
 
 I64 = npt.NDArray[np.int64]
@@ -95,15 +99,16 @@ def _schema(filter_names: Sequence[str]) -> tantivy.Schema:
     sb.add_unsigned_field("row", fast=True)
     sb.add_text_field("text", tokenizer_name="whitespace", index_option="freq")
     sb.add_text_field("prefix", tokenizer_name="whitespace", index_option="freq")
+    sb.add_text_field(ATTRS, tokenizer_name="raw", index_option="basic")
     for name in filter_names:
         sb.add_text_field(name, tokenizer_name="raw", index_option="basic")
     return sb.build()
 
 
 def build_lexical(path: Path, texts: Sequence[str], products: Sequence[Product],
-                  filter_fields: Sequence[str] = ()) -> dict[str, Any]:
+                  filter_fields: Sequence[str] = (), attributes: Vocabulary | None = None) -> dict[str, Any]:
     """Write the lexical index of `products` (row i = texts[i], the same text FAISS embedded) into
-    the empty folder `path`; returns its manifest entry."""
+    the empty folder `path`; returns its manifest entry. `attributes`: the version's vocabulary."""
     t0 = time.perf_counter()
     path.mkdir(parents=True, exist_ok=True)
     names = _filter_names(len(filter_fields))
@@ -115,6 +120,8 @@ def build_lexical(path: Path, texts: Sequence[str], products: Sequence[Product],
         doc.add_unsigned("row", row)
         doc.add_text("text", " ".join(ws))
         doc.add_text("prefix", " ".join(edge_ngrams(ws)))
+        for a in attributes.carried(ws) if attributes else ():
+            doc.add_text(ATTRS, a)
         for name, field in zip(names, filter_fields, strict=True):
             if value := value_key(product.fields.get(field, "")):
                 doc.add_text(name, value)
@@ -124,7 +131,8 @@ def build_lexical(path: Path, texts: Sequence[str], products: Sequence[Product],
     for f in path.iterdir():  # tantivy writes meta.json 0600: readable by the sidecar's user like the rest
         f.chmod(0o644)
     return {"dir": LEXICAL_DIR, "docs": len(texts), "analyzer": ANALYZER, "prefix_max_chars": PREFIX_MAX_CHARS,
-            "filter_fields": list(filter_fields), "tantivy": importlib.metadata.version("tantivy"),
+            "filter_fields": list(filter_fields), "attributes": sorted(attributes.attributes) if attributes else [],
+            "tantivy": importlib.metadata.version("tantivy"),
             "build_seconds": round(time.perf_counter() - t0, 3)}
 
 
@@ -134,15 +142,19 @@ class LexicalHits:
     scores: F32  # BM25
     complete: frozenset[int]  # rows of the best k that match every word and the prefix
     terms: int = 0  # words and prefix searched: with 1, every hit matches every word (the fusion's one-word tier)
+    attributes: tuple[str, ...] = ()  # the attributes typed in full: every hit carries them
 
 
 class LexicalIndex:
     """One version's lexical index, read-only; thread-safe (tantivy searchers are)."""
 
-    def __init__(self, index: tantivy.Index, docs: int, filter_fields: Sequence[str] | None = None) -> None:
+    def __init__(self, index: tantivy.Index, docs: int, filter_fields: Sequence[str] | None = None,
+                 vocabulary: Vocabulary | None = None) -> None:
         self._schema = index.schema
         self._searcher = index.searcher()
         self.docs = docs
+        self.vocabulary = vocabulary or Vocabulary(())  # empty: built before attributes
+        self._carriers: dict[str, frozenset[int]] = {}
         # column -> tantivy field; None: built before filter fields, which named the fields themselves
         fields = DEFAULT_FIELDS if filter_fields is None else filter_fields
         names = DEFAULT_FIELDS if filter_fields is None else _filter_names(len(fields))
@@ -159,7 +171,8 @@ class LexicalIndex:
             index = tantivy.Index.open(str(path))
             # The version is immutable: no reload policy, so no watcher thread per loaded version.
             index.config_reader(reload_policy="manual")
-            out = cls(index, int(entry.get("docs", -1)), entry.get("filter_fields"))
+            out = cls(index, int(entry.get("docs", -1)), entry.get("filter_fields"),
+                      Vocabulary(entry.get("attributes") or ()))
         except (OSError, ValueError) as exc:
             raise ModelError(f"lexical index of {version_dir.name} is unreadable: {exc}") from exc
         if out._searcher.num_docs != out.docs:
@@ -167,18 +180,29 @@ class LexicalIndex:
                              f"its manifest says {out.docs}")
         return out
 
+    def typed(self, terms: Terms) -> Typed:
+        """The attributes `terms` type in full, and the words left to match as words."""
+        return self.vocabulary.typed(terms.words, terms.prefix) if self.vocabulary else Typed((), terms.words,
+                                                                                               terms.prefix)
+
     def queries(self, terms: Terms, filters: Filters = ()) -> tuple[tantivy.Query, tantivy.Query | None] | None:
         """(any word: BM25 over the words with the prefix as one more term; every word: the same
         clauses all required, None when there is one), filtered; filters must match and do not score.
+        A typed attribute is required by both, as one term: its words are not searched apart.
         None when the text has nothing to search."""
         term = tantivy.Query.term_query
-        clauses = [term(self._schema, "text", w) for w in terms.words]
-        if terms.prefix is not None:
-            clauses.append(term(self._schema, "prefix", terms.prefix))
-        if not clauses:
+        typed = self.typed(terms)
+        clauses = [term(self._schema, "text", w) for w in typed.words]
+        if typed.prefix is not None:
+            clauses.append(term(self._schema, "prefix", typed.prefix))
+        attrs = [term(self._schema, ATTRS, a) for a in typed.attributes]
+        if not clauses and not attrs:
             return None
         musts = [(tantivy.Occur.Must, tantivy.Query.const_score_query(term(self._schema, self._filters[f], v), 0.0))
                  for f, v in filters]
+        musts += [(tantivy.Occur.Must, a) for a in attrs]
+        if not clauses:  # only attributes typed: the products carrying them all
+            return tantivy.Query.boolean_query(musts), None
 
         def filtered(q: tantivy.Query) -> tantivy.Query:
             return tantivy.Query.boolean_query([(tantivy.Occur.Must, q), *musts]) if musts else q
@@ -199,7 +223,23 @@ class LexicalIndex:
         any_word, every_word = qs
         rows, scores = self._top(any_word, k)
         complete = frozenset(rows.tolist()) if every_word is None else frozenset(self._top(every_word, k)[0].tolist())
-        return LexicalHits(rows, scores, complete, len(terms.words) + (terms.prefix is not None))
+        typed = self.typed(terms)
+        searched = len(typed.words) + len(typed.attributes) + (typed.prefix is not None)
+        return LexicalHits(rows, scores, complete, searched, typed.attributes)
+
+    def carrying(self, attributes: Sequence[str]) -> frozenset[int] | None:
+        """The rows carrying every one of `attributes`; None for none typed."""
+        if not attributes:
+            return None
+        return frozenset.intersection(*(self.carriers(a) for a in attributes))
+
+    def carriers(self, attribute: str) -> frozenset[int]:
+        """The rows carrying `attribute` (cached: the fusion asks for the same few again and again)."""
+        hit = self._carriers.get(attribute)
+        if hit is None:
+            q = tantivy.Query.term_query(self._schema, ATTRS, attribute)
+            hit = self._carriers[attribute] = frozenset(self._top(q, max(self.docs, 1))[0].tolist())
+        return hit
 
     def _top(self, q: tantivy.Query, k: int) -> tuple[I64, F32]:
         try:

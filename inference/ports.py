@@ -41,7 +41,7 @@ def listen_tcp(host: str, port: int, backlog: int = 512, *, flag: str = "port") 
     The protocol must be given as IPPROTO_TCP: asyncio sets TCP_NODELAY only on accepted sockets
     whose `proto` says TCP, and a socket made with proto 0 passes 0 on to every connection. Without
     NODELAY a response written as headers then body waits for the client's delayed ACK: a ~45 ms
-    mode on every HTTP call (docs/benchmarks.md, "TCP_NODELAY").
+    mode on every HTTP call (docs/benchmarks.md, levers: "TCP_NODELAY").
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)

@@ -7,7 +7,7 @@ BertPreTokenizer, WordPiece, a fixed template such as `[CLS] $A [SEP]`) and a te
 ASCII, what the pipeline does reduces to: lowercase, split into runs of letters and digits and single
 punctuation characters, look each word up (WordPiece's greedy longest match where it is not a
 word of the vocabulary), add the template's tokens. That is what `AsciiWordPiece` does, in a few
-dictionary look-ups (docs/benchmarks.md: −0.085 ms of CPU per query).
+dictionary look-ups (docs/benchmarks.md, levers: −0.105 ms of CPU per embedded unary query).
 
 It answers only where the answer is certainly the library's and says None otherwise, for the
 library to answer: a character outside printable ASCII (accents, other scripts, tabs and other

@@ -165,8 +165,8 @@ class Requests:
         filters = merged(dict(req.filters), department=req.department, aisle=req.aisle)
         found = await self.service.search_call(call, req.texts, k=req.k, filters=filters, mode=mode)
         return pb.SearchReply(
-            results=[pb.HitList(hits=[pb.Hit(id=h.id, score=h.score, fields=h.fields, legs=h.legs) for h in hits])
-                     for hits in found.hits],
+            results=[pb.HitList(hits=[pb.Hit(id=h.id, score=h.score, fields=h.fields, legs=h.legs, matched=h.matched)
+                                      for h in hits]) for hits in found.hits],
             model=found.model, index_version=found.index_version, cache_hits=found.cache_hits,
             timings=pb.Timings(**found.timings_ns), backend=found.backend)
 

@@ -86,7 +86,8 @@ def decode_embed(reply: pb.EmbedReply) -> EmbedResult:
 
 
 def decode_search(reply: pb.SearchReply) -> SearchResult:
-    hits = [[SearchHit(h.id, float(h.score), dict(h.fields), tuple(h.legs)) for h in hl.hits] for hl in reply.results]
+    hits = [[SearchHit(h.id, float(h.score), dict(h.fields), tuple(h.legs), tuple(h.matched)) for h in hl.hits]
+            for hl in reply.results]
     return SearchResult(hits, reply.model, reply.index_version, list(reply.cache_hits), timings_of(reply.timings),
                         reply.backend)
 

@@ -221,7 +221,7 @@ def grpc_address(host: str, port: int) -> str:
 def backlog_options(backlog: int) -> list[tuple[str, int]]:
     """gRPC C core's cap on calls waiting for the event loop to take them (grpc.aio takes one at a time).
     Past the soft limit C core refuses new calls at random, past the hard one always, without running
-    Python: the one refusal that stays cheap when the loop itself is what is overloaded (issue 27's
+    Python: the one refusal that stays cheap when the loop itself is what is overloaded (the overload
     measurements: docs/reliability.md). `maximum_concurrent_rpcs` refuses in Cython after the loop took
     the call, at ~90 % of a handler's cost, and would count open Streams and health watches too."""
     if backlog <= 0:

@@ -73,8 +73,9 @@ EMBEDDINGS_REPLY: dict[str, str] = {
 }
 SEARCH_REPLY: dict[str, str] = {
     "object": '"list"',
-    "data": 'one per query, in order: {"index": i, "cache_hit": bool, "hits": [{"id", "score", "fields", "legs"}]}'
-            ' (legs: which of semantic / lexical found the hit)',
+    "data": 'one per query, in order: {"index": i, "cache_hit": bool, "hits": [{"id", "score", "fields", "legs", '
+            '"matched"}]} (legs: which of semantic / lexical found the hit; matched: the typed attributes it '
+            'carries, e.g. "dairy free")',
     "model": "the model's version id",
     "mode": "the mode searched",
     "index_version": "the catalog index version that answered",
@@ -282,7 +283,8 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int, 
             return _error(failure(metrics, "http_search", exc))
         metrics.requests.labels("http_search", "ok").inc()
         data = [{"index": i, "cache_hit": hit, "hits": [
-                    {"id": h.id, "score": h.score, "fields": h.fields, "legs": list(h.legs)} for h in hits]}
+                    {"id": h.id, "score": h.score, "fields": h.fields, "legs": list(h.legs),
+                     "matched": list(h.matched)} for h in hits]}
                 for i, (hits, hit) in enumerate(zip(out.hits, out.cache_hits, strict=True))]
         headers = {"x-embedcar-backend": out.backend} if out.backend else None
         return JSONResponse({"object": "list", "data": data, "model": out.model, "mode": q.mode.value,

@@ -33,6 +33,7 @@ class SearchHit:
     score: float
     fields: dict[str, str]
     legs: tuple[str, ...] = ()  # the search leg(s) that found it: "semantic", "lexical"
+    matched: tuple[str, ...] = ()  # the attributes typed in the query that it carries ("dairy free")
 
 
 @dataclass(frozen=True, slots=True)

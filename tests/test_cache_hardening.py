@@ -1,4 +1,4 @@
-"""The cache's hardening (issue 49, item 5): keys are fixed-size digests, the cache is capped in bytes,
+"""The cache's hardening: keys are fixed-size digests, the cache is capped in bytes,
 and where the API keys name several tenants a reply's cache flag (and latency) says nothing about
 another tenant's queries: each tenant's hits and single-flight joins stay within its own partition."""
 

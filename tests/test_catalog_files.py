@@ -3,6 +3,7 @@ files, header mistakes. Each case is a real file; a whole-file mistake is one In
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -105,6 +106,77 @@ def test_real_multiline_fields_and_single_line_mistakes(tmp_path: Path) -> None:
     assert "malformed quoting" in bad[5] and "4 fields where the header has 3" in bad[6]
 
 
+# --- compressed files -------------------------------------------------------------------------
+def _zstd(path: Path, data: bytes) -> Path:
+    with pa.output_stream(str(path), compression="zstd") as out:
+        out.write(data)
+    return path
+
+
+@pytest.mark.parametrize("name", ["p.csv.gz", "p.tsv.gz", "p.jsonl.gz", "p.csv.zst", "p.jsonl.zst", "P.CSV.GZ"])
+def test_compressed_files_are_read_decompressed_with_their_line_numbers(tmp_path: Path, name: str) -> None:
+    if ".jsonl" in name:
+        rows = [{"id": "1", "title": "Milk"}, {"id": "2", "title": ""}, {"id": "3", "title": "Tea"}]
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+    else:
+        sep = "\t" if ".tsv" in name else ","
+        text = f"id{sep}title\n1{sep}Milk\n2{sep}\n3{sep}Tea\n"
+    path = tmp_path / name
+    if name.lower().endswith(".gz"):
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        _zstd(path, text.encode())
+    loaded = read_path(path)
+    assert [(p.id, p.fields["title"]) for p in loaded.products] == [("1", "Milk"), ("3", "Tea")]
+    bad_line = 2 if ".jsonl" in name else 3  # the decompressed text's line (a CSV's header is line 1)
+    assert [b.line for b in loaded.bad] == [bad_line]
+
+
+def test_compressed_files_get_the_whole_file_checks_and_clear_errors(tmp_path: Path) -> None:
+    plain = _write(tmp_path / "p.csv.gz", "id,title\n1,Milk\n")  # named .gz, not compressed
+    with pytest.raises(InvalidInput, match=r"p\.csv\.gz: named \.gz but not gzip-compressed: it looks like CSV"):
+        read_path(plain)
+    (tmp_path / "q.jsonl.zst").write_bytes(gzip.compress(b"{}\n"))
+    with pytest.raises(InvalidInput, match=r"named \.zst but not zstd-compressed: it looks like gzip"):
+        read_path(tmp_path / "q.jsonl.zst")
+    gz = tmp_path / "p.csv"
+    gz.write_bytes(gzip.compress(b"id,title\n1,Milk\n"))
+    with pytest.raises(InvalidInput, match=r"gzip-compressed data, not UTF-8 text \(name it p\.csv\.gz"):
+        read_path(gz)
+    utf16 = tmp_path / "u.csv.gz"
+    utf16.write_bytes(gzip.compress("id,title\n1,Milk\n".encode("utf-16")))
+    with pytest.raises(InvalidInput, match="UTF-16 text, not UTF-8 text"):  # checked on the decompressed head
+        read_path(utf16)
+    latin = tmp_path / "l.jsonl.gz"
+    latin.write_bytes(gzip.compress('{"id": "1", "title": "Café"}\n'.encode("latin-1")))
+    with pytest.raises(InvalidInput, match=r"not UTF-8.*Latin-1"):
+        read_path(latin)
+    array = tmp_path / "a.jsonl.zst"
+    _zstd(array, json.dumps([{"id": "1", "title": "Milk"}], indent=2).encode())
+    with pytest.raises(InvalidInput, match="one JSON document"):
+        read_path(array)
+    parquet = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"id": ["1"], "title": ["Milk"]}), parquet)
+    (tmp_path / "p.parquet.gz").write_bytes(gzip.compress(parquet.read_bytes()))
+    with pytest.raises(InvalidInput, match=r"a compressed Parquet file.*decompress it to p\.parquet"):
+        read_path(tmp_path / "p.parquet.gz")
+    with pytest.raises(InvalidInput, match=r"unknown catalog format '\.gz'"):
+        read_path(_write(tmp_path / "products.gz", "x"))
+    with pytest.raises(InvalidInput, match=r"unknown catalog format '\.xml\.gz'"):
+        read_path(_write(tmp_path / "p.xml.gz", "x"))
+
+
+def test_a_compressed_file_cut_short_is_refused_not_read_as_a_shorter_catalog(tmp_path: Path) -> None:
+    # Digits that do not repeat: the compressed stream is long enough to cut in the middle.
+    text = "id,title\n" + "".join(f"{i},item {i * 7919 % 100_003:06d}\n" for i in range(20_000))
+    for name, data in (("p.csv.gz", gzip.compress(text.encode())),
+                       ("p.csv.zst", _zstd(tmp_path / "whole.zst", text.encode()).read_bytes())):
+        path = tmp_path / name
+        path.write_bytes(data[: len(data) // 2])
+        with pytest.raises(InvalidInput, match=r"data is damaged after line \d+"):
+            read_path(path)
+
+
 # --- encodings and mislabelled files ----------------------------------------------------------
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32"])
 def test_utf16_and_utf32_are_refused_in_one_line(tmp_path: Path, encoding: str) -> None:
@@ -123,6 +195,28 @@ def test_latin1_file_is_refused_a_stray_byte_is_one_bad_row(tmp_path: Path) -> N
     path.write_bytes("id,title\n1,Crème\n".encode() + b"2,Caf\xe9\n3,Tea\n")
     loaded = read_path(path)
     assert [p.id for p in loaded.products] == ["1", "3"] and loaded.bad[0].line == 3
+    # One stray byte among many UTF-8 rows, all ASCII else: still one bad row.
+    path.write_bytes(b"id,title\n" + b"".join(b"%d,Item %d\n" % (i, i) for i in range(200)) + b"200,Caf\xe9\n")
+    assert len(read_path(path).products) == 200 and read_path(path).bad[0].line == 202
+
+
+@pytest.mark.parametrize("content", [
+    '{"id": "1", "title": "Café"}\n{"id": "2", "title": "Thé"}\n',  # before: two bad rows, "nothing to index"
+    '{"id": "1", "title": "Crème brûlée"}\n',
+    "id,title\n1,Café\n2,Tea\n",  # half the rows
+])
+def test_a_small_latin1_file_gets_the_encoding_hint_too(tmp_path: Path, content: str) -> None:
+    path = _write(tmp_path / ("p.jsonl" if content.startswith("{") else "p.csv"), content, "latin-1")
+    with pytest.raises(InvalidInput, match=r"not UTF-8 \(line \d+, byte \d+\).*Latin-1.*save it as UTF-8"):
+        read_path(path)
+
+
+def test_a_file_whose_every_row_is_bad_for_encoding_gets_the_hint(tmp_path: Path) -> None:
+    # UTF-8 (ASCII) for the whole sampled head, Latin-1 after it: each row bad, then the hint.
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b" " * 70_000 + b"\n" + '{"id": "1", "title": "Café"}\n'.encode("latin-1"))
+    with pytest.raises(InvalidInput, match=r"p\.jsonl: not UTF-8 \(line 2: bad encoding.*Latin-1"):
+        read_path(path)
 
 
 def test_mislabelled_files_say_what_they_look_like(tmp_path: Path) -> None:
@@ -194,8 +288,10 @@ def test_non_scalar_values_in_text_fields_are_bad_rows_elsewhere_json(tmp_path: 
     assert [p.id for p in loaded.products] == ["3", "4"]
     assert loaded.products[0].fields == {"title": "Oat Milk", "tags": '["vegan", "dairy free"]', "dims": '{"l": 1}',
                                          "organic": "true"}
+    # ... and typed beside the text, for exports: the list, the object and the boolean as JSON has them.
+    assert loaded.products[0].values == {"tags": ["vegan", "dairy free"], "dims": {"l": 1}, "organic": True}
     assert {b.line: b.reason for b in loaded.bad} == {1: "'title' is a list, not text",
-                                                      2: "'id' is an object, not text"}
+                                                      2: "'id' is an object, not text or an integer"}
     parquet = tmp_path / "p.parquet"
     pq.write_table(pa.table({"id": ["a", "b"], "title": [["x", "y"], ["z"]], "aisle": ["tea", "tea"]}), parquet)
     loaded = read_path(parquet, text_fields=("aisle", "title"))

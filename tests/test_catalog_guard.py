@@ -1,4 +1,4 @@
-"""The guarded publish (issue 51, item 1): a build with too many bad rows, or far fewer items than the
+"""The guarded publish: a build with too many bad rows, or far fewer items than the
 current version, is written aside (held), not made current, and says why in one line; `--force`
 publishes it and the manifest records that; a sidecar serving the root never swaps to a held version.
 

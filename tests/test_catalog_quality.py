@@ -78,7 +78,7 @@ def test_prefix_evaluation_scores_the_three_modes_per_cut(settings: Settings, gr
 
     s = settings.with_section("catalog", index_root=grocery_index_root).with_section("model", intra_op_threads=2)
     result = asyncio.run(evaluate_prefixes(s, known_items=40, cuts=(50, 100)))
-    assert set(result["sets"]) == {"aisle-name", "known-item"} and result["modes"] == ["semantic", "lexical", "hybrid"]
+    assert set(result["sets"]) >= {"aisle-name", "known-item"} and result["modes"] == ["semantic", "lexical", "hybrid"]
     known = result["sets"]["known-item"]
     assert set(known) == {"50", "100"} and known["100"]["lexical"]["queries"] == 40
     assert known["100"]["lexical"]["recall_at_10"] > 0.8  # whole title fragments: their words are in the title

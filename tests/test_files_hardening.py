@@ -1,4 +1,4 @@
-"""Files the sidecar trusts (issue 49, items 6 and 7): the compiled code it loads, the folder of its Unix
+"""Files the sidecar trusts: the compiled code it loads, the folder of its Unix
 socket, its API keys file, Triton's keys; and `embedcar` commands failing in one line.
 
 Real files, folders, modes and builds throughout; a folder "of another user" needs root (chown), and

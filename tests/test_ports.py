@@ -10,7 +10,7 @@ from inference.ports import listen_tcp
 
 async def test_connections_accepted_on_listen_tcp_have_nodelay() -> None:
     # asyncio sets TCP_NODELAY only where the socket's proto says TCP; without it a response written
-    # as headers then body waits ~40 ms for the client's delayed ACK (docs/benchmarks.md, "TCP_NODELAY").
+    # as headers then body waits ~40 ms for the client's delayed ACK (docs/benchmarks.md, levers: "TCP_NODELAY").
     seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
     class Record(asyncio.Protocol):

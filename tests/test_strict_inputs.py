@@ -1,4 +1,4 @@
-"""Strict inputs, one-line errors (issue 51, item 3): settings ranges, bind failures, --index-dir, the
+"""Strict inputs, one-line errors: settings ranges, bind failures, --index-dir, the
 client's str handling. The one-line checks run `embedcar` as a real subprocess; the rest real sidecars."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Text limits after Unicode normalisation (issue 49, item 4).
+"""Text limits after Unicode normalisation.
 
 NFKC can make one character 18 (U+FDFA): a text is normalised only as far as the tokenizer reads
 it, a request's normalised characters are capped, and a big request is normalised off the loop,

@@ -196,6 +196,13 @@ function renderResults(column, col, text, total) {
       b.title = why;
       legs.append(b);
     }
+    for (const attr of r.matched || []) {
+      const b = document.createElement("span");
+      b.className = "leg leg-attr";
+      b.textContent = `✓ ${attr}`;
+      b.title = `carries “${attr}”, an attribute you typed: products carrying every typed attribute rank first`;
+      legs.append(b);
+    }
     meta.append(legs);
     const score = document.createElement("span");
     score.className = "score";

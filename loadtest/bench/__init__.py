@@ -1,4 +1,4 @@
-"""`embedcar bench <area>`: the benchmarks behind docs/benchmarks.md, apart from the runtime packages.
+"""`embedcar bench <area>`: the benchmarks behind docs/performance.md, apart from the runtime packages.
 
 One module per area: model (raw ONNX Runtime), triton (the Triton hop), sidecar (Embed latency,
 with floor: the do-nothing gRPC server), catalog (batch job and index), demo (the scripted typist);

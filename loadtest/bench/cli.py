@@ -1,5 +1,5 @@
 """`embedcar bench model|int8|triton|sidecar|serving|neighbour|catalog|demo|transport|refusal|gpu`: the benchmarks
-behind docs/benchmarks.md.
+behind docs/performance.md.
 
 Each area takes the settings flags of the runtime command it measures (inference.flags), so a
 figure is measured on the settings it is quoted for.
@@ -35,7 +35,7 @@ from sidecar.cli import add_sidecar_flags
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("bench", help="the benchmarks behind docs/benchmarks.md (model, int8, triton, sidecar, "
+    p = sub.add_parser("bench", help="the benchmarks behind docs/performance.md (model, int8, triton, sidecar, "
                        "serving, neighbour, catalog, demo, transport, refusal, gpu)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     areas = p.add_subparsers(dest="bench_area", required=True, metavar="AREA")

@@ -1,8 +1,8 @@
 """`embedcar bench model`: raw ONNX Runtime latency per variant, shape and thread count.
 
-Prints a Markdown table (median and P95 over many calls) for docs/benchmarks.md, and what length
-buckets save against padding every query to 128 tokens. Timing on shared machines is noisy: the
-figures to quote are ratios within one run.
+Prints a Markdown table (median and P95 over many calls), and what length buckets save against
+padding every query to 128 tokens (the "length buckets" row of docs/benchmarks.md's levers).
+Timing on shared machines is noisy: the figures to quote are ratios within one run.
 """
 
 from __future__ import annotations

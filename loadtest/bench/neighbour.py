@@ -42,7 +42,7 @@ are gone: their figures are in docs/benchmarks.md, and a report of them still re
                       (a separate column)
   triton-system-malloc  the `triton` row with sidecar.allocator=system
 
-Verdicts (issue #25's targets; a benchmark, not a gate: exit 0 whatever they say), per sidecar row,
+Verdicts (the neighbour targets; a benchmark, not a gate: exit 0 whatever they say), per sidecar row,
 against the model beside it (or, with --pairs 0, the model rows: their lowest CPU per query and the
 latency of the faster thread setting):
 cpu: CPU per query <= the model's + 1.0 ms (Stream: + 0.6 ms; Triton: <= 1.0 ms); p50: <= the model's best + 1.0 ms;

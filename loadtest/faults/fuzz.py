@@ -361,7 +361,7 @@ def fuzz_http(port: int, n: int, tally: Tally, *, api_key: str | None = None) ->
 
     @_hyp(n)
     @given(case=http_cases(api_key))
-    @example(case=_honest(b'{"input": "\\ud800"}'))  # the two 500s of issue 10
+    @example(case=_honest(b'{"input": "\\ud800"}'))  # two bodies once answered 500
     @example(case=_honest(b"[" * 100_000 + b"]" * 100_000))
     def prop(case: HttpCase) -> None:
         reply = raw_http(port, case.request, timeout_s=TIMEOUT_S, half_close=case.half_close)

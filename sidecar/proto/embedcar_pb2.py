@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csidecar/proto/embedcar.proto\x12\x0b\x65mbedcar.v1\"\x8a\x01\n\x07Timings\x12\x0c\n\x04\x61uth\x18\x01 \x01(\x03\x12\r\n\x05\x63\x61\x63he\x18\x02 \x01(\x03\x12\x10\n\x08tokenize\x18\x03 \x01(\x03\x12\r\n\x05queue\x18\x04 \x01(\x03\x12\x11\n\tinference\x18\x05 \x01(\x03\x12\x0e\n\x06search\x18\x06 \x01(\x03\x12\x0f\n\x07lexical\x18\x08 \x01(\x03\x12\r\n\x05total\x18\x07 \x01(\x03\"=\n\x0c\x45mbedRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x0f\n\x07\x66loat16\x18\x02 \x01(\x08\x12\r\n\x05model\x18\x03 \x01(\t\"\xcc\x01\n\nEmbedReply\x12\x12\n\nembeddings\x18\x01 \x01(\x0c\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12!\n\x05\x64type\x18\x04 \x01(\x0e\x32\x12.embedcar.v1.DType\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\ncache_hits\x18\x06 \x03(\x08\x12\x11\n\ttruncated\x18\x07 \x03(\x08\x12%\n\x07timings\x18\x08 \x01(\x0b\x32\x14.embedcar.v1.Timings\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\"\xec\x01\n\rSearchRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\t\n\x01k\x18\x02 \x01(\r\x12\x12\n\ndepartment\x18\x03 \x01(\t\x12\r\n\x05\x61isle\x18\x04 \x01(\t\x12%\n\x04mode\x18\x05 \x01(\x0e\x32\x17.embedcar.v1.SearchMode\x12\r\n\x05model\x18\x06 \x01(\t\x12\x38\n\x07\x66ilters\x18\x07 \x03(\x0b\x32\'.embedcar.v1.SearchRequest.FiltersEntry\x1a.\n\x0c\x46iltersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8b\x01\n\x03Hit\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12,\n\x06\x66ields\x18\x03 \x03(\x0b\x32\x1c.embedcar.v1.Hit.FieldsEntry\x12\x0c\n\x04legs\x18\x04 \x03(\t\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\")\n\x07HitList\x12\x1e\n\x04hits\x18\x01 \x03(\x0b\x32\x10.embedcar.v1.Hit\"\xa6\x01\n\x0bSearchReply\x12%\n\x07results\x18\x01 \x03(\x0b\x32\x14.embedcar.v1.HitList\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rindex_version\x18\x03 \x01(\t\x12\x12\n\ncache_hits\x18\x04 \x03(\x08\x12%\n\x07timings\x18\x05 \x01(\x0b\x32\x14.embedcar.v1.Timings\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\"\x91\x01\n\rStreamRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12*\n\x05\x65mbed\x18\x02 \x01(\x0b\x32\x19.embedcar.v1.EmbedRequestH\x00\x12,\n\x06search\x18\x03 \x01(\x0b\x32\x1a.embedcar.v1.SearchRequestH\x00\x12\x12\n\ntimeout_ms\x18\x04 \x01(\rB\x06\n\x04\x63\x61ll\"C\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x15\n\rretry_after_s\x18\x03 \x01(\x01\"\xa4\x01\n\x0bStreamReply\x12\n\n\x02id\x18\x01 \x01(\x04\x12(\n\x05\x65mbed\x18\x02 \x01(\x0b\x32\x17.embedcar.v1.EmbedReplyH\x00\x12*\n\x06search\x18\x03 \x01(\x0b\x32\x18.embedcar.v1.SearchReplyH\x00\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.embedcar.v1.StreamErrorH\x00\x42\x08\n\x06result*!\n\x05\x44Type\x12\x0b\n\x07\x46LOAT32\x10\x00\x12\x0b\n\x07\x46LOAT16\x10\x01*3\n\nSearchMode\x12\x0c\n\x08SEMANTIC\x10\x00\x12\x0b\n\x07LEXICAL\x10\x01\x12\n\n\x06HYBRID\x10\x02\x32\xcb\x01\n\x08\x45mbedder\x12;\n\x05\x45mbed\x12\x19.embedcar.v1.EmbedRequest\x1a\x17.embedcar.v1.EmbedReply\x12>\n\x06Search\x12\x1a.embedcar.v1.SearchRequest\x1a\x18.embedcar.v1.SearchReply\x12\x42\n\x06Stream\x12\x1a.embedcar.v1.StreamRequest\x1a\x18.embedcar.v1.StreamReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csidecar/proto/embedcar.proto\x12\x0b\x65mbedcar.v1\"\x8a\x01\n\x07Timings\x12\x0c\n\x04\x61uth\x18\x01 \x01(\x03\x12\r\n\x05\x63\x61\x63he\x18\x02 \x01(\x03\x12\x10\n\x08tokenize\x18\x03 \x01(\x03\x12\r\n\x05queue\x18\x04 \x01(\x03\x12\x11\n\tinference\x18\x05 \x01(\x03\x12\x0e\n\x06search\x18\x06 \x01(\x03\x12\x0f\n\x07lexical\x18\x08 \x01(\x03\x12\r\n\x05total\x18\x07 \x01(\x03\"=\n\x0c\x45mbedRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x0f\n\x07\x66loat16\x18\x02 \x01(\x08\x12\r\n\x05model\x18\x03 \x01(\t\"\xcc\x01\n\nEmbedReply\x12\x12\n\nembeddings\x18\x01 \x01(\x0c\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12!\n\x05\x64type\x18\x04 \x01(\x0e\x32\x12.embedcar.v1.DType\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\ncache_hits\x18\x06 \x03(\x08\x12\x11\n\ttruncated\x18\x07 \x03(\x08\x12%\n\x07timings\x18\x08 \x01(\x0b\x32\x14.embedcar.v1.Timings\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\"\xec\x01\n\rSearchRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\t\n\x01k\x18\x02 \x01(\r\x12\x12\n\ndepartment\x18\x03 \x01(\t\x12\r\n\x05\x61isle\x18\x04 \x01(\t\x12%\n\x04mode\x18\x05 \x01(\x0e\x32\x17.embedcar.v1.SearchMode\x12\r\n\x05model\x18\x06 \x01(\t\x12\x38\n\x07\x66ilters\x18\x07 \x03(\x0b\x32\'.embedcar.v1.SearchRequest.FiltersEntry\x1a.\n\x0c\x46iltersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9c\x01\n\x03Hit\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12,\n\x06\x66ields\x18\x03 \x03(\x0b\x32\x1c.embedcar.v1.Hit.FieldsEntry\x12\x0c\n\x04legs\x18\x04 \x03(\t\x12\x0f\n\x07matched\x18\x05 \x03(\t\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\")\n\x07HitList\x12\x1e\n\x04hits\x18\x01 \x03(\x0b\x32\x10.embedcar.v1.Hit\"\xa6\x01\n\x0bSearchReply\x12%\n\x07results\x18\x01 \x03(\x0b\x32\x14.embedcar.v1.HitList\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rindex_version\x18\x03 \x01(\t\x12\x12\n\ncache_hits\x18\x04 \x03(\x08\x12%\n\x07timings\x18\x05 \x01(\x0b\x32\x14.embedcar.v1.Timings\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\"\x91\x01\n\rStreamRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12*\n\x05\x65mbed\x18\x02 \x01(\x0b\x32\x19.embedcar.v1.EmbedRequestH\x00\x12,\n\x06search\x18\x03 \x01(\x0b\x32\x1a.embedcar.v1.SearchRequestH\x00\x12\x12\n\ntimeout_ms\x18\x04 \x01(\rB\x06\n\x04\x63\x61ll\"C\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x15\n\rretry_after_s\x18\x03 \x01(\x01\"\xa4\x01\n\x0bStreamReply\x12\n\n\x02id\x18\x01 \x01(\x04\x12(\n\x05\x65mbed\x18\x02 \x01(\x0b\x32\x17.embedcar.v1.EmbedReplyH\x00\x12*\n\x06search\x18\x03 \x01(\x0b\x32\x18.embedcar.v1.SearchReplyH\x00\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.embedcar.v1.StreamErrorH\x00\x42\x08\n\x06result*!\n\x05\x44Type\x12\x0b\n\x07\x46LOAT32\x10\x00\x12\x0b\n\x07\x46LOAT16\x10\x01*3\n\nSearchMode\x12\x0c\n\x08SEMANTIC\x10\x00\x12\x0b\n\x07LEXICAL\x10\x01\x12\n\n\x06HYBRID\x10\x02\x32\xcb\x01\n\x08\x45mbedder\x12;\n\x05\x45mbed\x12\x19.embedcar.v1.EmbedRequest\x1a\x17.embedcar.v1.EmbedReply\x12>\n\x06Search\x12\x1a.embedcar.v1.SearchRequest\x1a\x18.embedcar.v1.SearchReply\x12\x42\n\x06Stream\x12\x1a.embedcar.v1.StreamRequest\x1a\x18.embedcar.v1.StreamReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEARCHREQUEST_FILTERSENTRY']._serialized_options = b'8\001'
   _globals['_HIT_FIELDSENTRY']._loaded_options = None
   _globals['_HIT_FIELDSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=1433
-  _globals['_DTYPE']._serialized_end=1466
-  _globals['_SEARCHMODE']._serialized_start=1468
-  _globals['_SEARCHMODE']._serialized_end=1519
+  _globals['_DTYPE']._serialized_start=1450
+  _globals['_DTYPE']._serialized_end=1483
+  _globals['_SEARCHMODE']._serialized_start=1485
+  _globals['_SEARCHMODE']._serialized_end=1536
   _globals['_TIMINGS']._serialized_start=46
   _globals['_TIMINGS']._serialized_end=184
   _globals['_EMBEDREQUEST']._serialized_start=186
@@ -50,19 +50,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEARCHREQUEST_FILTERSENTRY']._serialized_start=647
   _globals['_SEARCHREQUEST_FILTERSENTRY']._serialized_end=693
   _globals['_HIT']._serialized_start=696
-  _globals['_HIT']._serialized_end=835
-  _globals['_HIT_FIELDSENTRY']._serialized_start=790
-  _globals['_HIT_FIELDSENTRY']._serialized_end=835
-  _globals['_HITLIST']._serialized_start=837
-  _globals['_HITLIST']._serialized_end=878
-  _globals['_SEARCHREPLY']._serialized_start=881
-  _globals['_SEARCHREPLY']._serialized_end=1047
-  _globals['_STREAMREQUEST']._serialized_start=1050
-  _globals['_STREAMREQUEST']._serialized_end=1195
-  _globals['_STREAMERROR']._serialized_start=1197
-  _globals['_STREAMERROR']._serialized_end=1264
-  _globals['_STREAMREPLY']._serialized_start=1267
-  _globals['_STREAMREPLY']._serialized_end=1431
-  _globals['_EMBEDDER']._serialized_start=1522
-  _globals['_EMBEDDER']._serialized_end=1725
+  _globals['_HIT']._serialized_end=852
+  _globals['_HIT_FIELDSENTRY']._serialized_start=807
+  _globals['_HIT_FIELDSENTRY']._serialized_end=852
+  _globals['_HITLIST']._serialized_start=854
+  _globals['_HITLIST']._serialized_end=895
+  _globals['_SEARCHREPLY']._serialized_start=898
+  _globals['_SEARCHREPLY']._serialized_end=1064
+  _globals['_STREAMREQUEST']._serialized_start=1067
+  _globals['_STREAMREQUEST']._serialized_end=1212
+  _globals['_STREAMERROR']._serialized_start=1214
+  _globals['_STREAMERROR']._serialized_end=1281
+  _globals['_STREAMREPLY']._serialized_start=1284
+  _globals['_STREAMREPLY']._serialized_end=1448
+  _globals['_EMBEDDER']._serialized_start=1539
+  _globals['_EMBEDDER']._serialized_end=1742
 # @@protoc_insertion_point(module_scope)

@@ -104,7 +104,7 @@ class SearchRequest(_message.Message):
     def __init__(self, texts: _Optional[_Iterable[str]] = ..., k: _Optional[int] = ..., department: _Optional[str] = ..., aisle: _Optional[str] = ..., mode: _Optional[_Union[SearchMode, str]] = ..., model: _Optional[str] = ..., filters: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Hit(_message.Message):
-    __slots__ = ("id", "score", "fields", "legs")
+    __slots__ = ("id", "score", "fields", "legs", "matched")
     class FieldsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -116,11 +116,13 @@ class Hit(_message.Message):
     SCORE_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
     LEGS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
     id: str
     score: float
     fields: _containers.ScalarMap[str, str]
     legs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., score: _Optional[float] = ..., fields: _Optional[_Mapping[str, str]] = ..., legs: _Optional[_Iterable[str]] = ...) -> None: ...
+    matched: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., score: _Optional[float] = ..., fields: _Optional[_Mapping[str, str]] = ..., legs: _Optional[_Iterable[str]] = ..., matched: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HitList(_message.Message):
     __slots__ = ("hits",)
