@@ -184,6 +184,10 @@ def register(sub: Any) -> None:
     q.add_argument("--judgements", default=None, metavar="FILE",
                    help="with --prefixes: also score labelled queries (query + product_id or category per row; "
                    "'grocery' = the demo catalog's shopper queries labelled by aisle; docs/models.md)")
+    q.add_argument("--fit", action="store_true",
+                   help="with --prefixes --judgements: fit the hybrid fusion's weights per query shape (one word, two, "
+                   "longer, an attribute typed) on the judgements, print before/after on a held-out half, and publish "
+                   "the newest version again with them (Search uses them; the next build starts from the defaults)")
     q.add_argument("--json", dest="json_out", default=None, help="also write the results here")
     q.set_defaults(func=_quality)
 
@@ -362,6 +366,8 @@ def _quality(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if args.prefixes:
         return _prefix_quality(args, settings)
+    if args.fit:
+        raise InvalidInput("--fit goes with --prefixes --judgements FILE")
     results = []
     for variant in _list(args.variants):
         for pooling in _list(args.poolings):
@@ -382,6 +388,15 @@ def _prefix_quality(args: argparse.Namespace, settings: Settings) -> int:
         cuts = [int(c) for c in _list(args.cuts)]
     except ValueError as exc:
         raise InvalidInput(f"--cuts takes integer percentages, got {args.cuts!r}") from exc
+    if args.fit:
+        from catalog.prefix_quality import fit_markdown, fit_prefixes
+
+        if args.judgements is None or _fusion(args) is not None:
+            raise InvalidInput("--fit needs --judgements FILE (the queries to fit on) and no fusion flags")
+        fit = asyncio.run(fit_prefixes(settings, args.judgements, cuts))
+        shapes = json.dumps(fit["shapes"]) if fit["shapes"] else "the defaults kept"
+        print(f"fusion fitted on {args.judgements}: {shapes}; published {fit['version']} (from {fit['fitted_from']})")
+        print(fit_markdown(fit))
     result = asyncio.run(evaluate_prefixes(settings, known_items=args.known_items, seed=args.seed, cuts=cuts,
                                            modes=[parse_mode(m) for m in _list(args.modes)], fusion=_fusion(args),
                                            judgements=args.judgements))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import SupportsFloat, SupportsInt
 
 from inference.errors import InvalidInput
@@ -135,3 +135,38 @@ class Fusion:
             else:  # < 1 + ... (RRF terms are at most 1/(k+1) each): below every complete row
                 scores[r] = s + rest_weight * x + (CARRIER_TIER if carriers is not None and r in carriers else 0.0)
         return _top(scores, ranks, limit)
+
+
+# --- fusion fitted per query shape (catalog/fusion_fit.py) -------------------------------------------
+SHAPES = ("one-word", "two-words", "longer", "attribute")
+
+
+def query_shape(terms: int, attributes: int) -> str:
+    """A query's shape for the fusion: an attribute typed, else how many words (the prefix one)."""
+    if attributes:
+        return "attribute"
+    return "one-word" if terms <= 1 else "two-words" if terms == 2 else "longer"
+
+
+@dataclass(frozen=True, slots=True)
+class FittedFusion:
+    """The fusion per query shape that `catalog quality --fit` learnt on a team's judgements and
+    recorded in an index version's manifest (`fusion`); shapes it did not fit use `default`."""
+
+    default: Fusion
+    shapes: Mapping[str, Fusion]
+
+    def for_shape(self, shape: str) -> Fusion:
+        return self.shapes.get(shape, self.default)
+
+    @classmethod
+    def from_manifest(cls, entry: object, default: Fusion) -> FittedFusion | None:
+        """The manifest's `fusion` entry (None: none, or one this code cannot read: the default)."""
+        if not isinstance(entry, dict) or not isinstance(entry.get("shapes"), dict):
+            return None
+        names = {f for f in Fusion.__dataclass_fields__}
+        shapes = {}
+        for shape, params in entry["shapes"].items():
+            if shape in SHAPES and isinstance(params, dict) and set(params) <= names:
+                shapes[shape] = Fusion(**{**asdict(default), **params})
+        return cls(default, shapes)

@@ -23,7 +23,7 @@ import numpy.typing as npt
 from catalog import store
 from catalog.faiss_lib import faiss_module, ivf_of
 from catalog.filters import Filters, merged
-from catalog.fusion import LEXICAL_LEG, SEMANTIC_LEG, Fusion, Ranked, SearchMode
+from catalog.fusion import LEXICAL_LEG, SEMANTIC_LEG, FittedFusion, Fusion, Ranked, SearchMode, query_shape
 from catalog.index_version import Snapshot, check_model, load_version, other_model
 from catalog.settings import CatalogSettings
 from inference.errors import FailedPrecondition, Internal, InvalidInput, ModelError, NotFound, Unavailable
@@ -48,6 +48,25 @@ class Hit:
     matched: tuple[str, ...] = ()  # the typed attributes it carries ("dairy free"; catalog/attributes.py)
 
 
+@dataclass(frozen=True, slots=True)
+class Legs:
+    """One query's candidates from each leg (`ProductIndex.legs`), and the rows carrying its typed attributes."""
+
+    semantic: Ranked
+    lexical: LexicalHits
+    carriers: frozenset[int] | None
+
+    @property
+    def shape(self) -> str:
+        return query_shape(self.lexical.terms, len(self.lexical.attributes))
+
+
+def fuse(fusion: Fusion, semantic: Ranked, lexical: LexicalHits, k: int, carriers: frozenset[int] | None) -> Ranked:
+    """Hybrid's best `k` of one query's two legs."""
+    return fusion.fuse(semantic, Ranked.single(LEXICAL_LEG, lexical.rows, lexical.scores), lexical.complete, k,
+                       single_word=lexical.terms == 1, carriers=carriers)
+
+
 @dataclass(slots=True)
 class Ranking:
     """`ProductIndex.rank`'s answer: one list per query, and each leg's time (ns) over all queries."""
@@ -66,6 +85,8 @@ class ProductIndex:
                  fusion: Fusion | None = None, complete_last_word: bool = False) -> None:
         self.index_root = index_root
         self.fusion = fusion or Fusion()
+        # The fusion fitted on a team's judgements for this version, per query shape (catalog/fusion_fit.py)
+        self.fitted = FittedFusion.from_manifest(snapshot.manifest.get("fusion"), self.fusion)
         self.complete_last_word = complete_last_word
         self._search_threads = max(1, search_threads)
         self._snap = snapshot
@@ -131,19 +152,6 @@ class ProductIndex:
         return self._snap.lexical is not None
 
     # --- hot reload ---------------------------------------------------------------------------
-    def maybe_reload(self) -> bool:
-        """Swap in a newer complete version if there is one; in-flight searches keep the old one.
-
-        `version` then names the new one at once, even to a caller whose search ran on the old
-        one: a caller that reports which version answered swaps objects with `reloaded()`."""
-        with self._reload_lock:
-            snap = self._newer_snapshot()
-            if snap is None:
-                return False
-            self._snap = snap  # one reference assignment: atomic for concurrent readers
-            log.info("index swapped to %s (%d items)", snap.path.name, snap.size)
-            return True
-
     def reloaded(self) -> Self | None:
         """A new ProductIndex on a newer complete version, or None; this one stays on its version,
         so a search through it and the `version` it reports always belong together."""
@@ -222,11 +230,10 @@ class ProductIndex:
                                      "search existed): rebuild it with `embedcar catalog build`")
         if k < 1:
             raise InvalidInput(f"k must be at least 1, got {k}")
-        fusion = fusion or self.fusion
         semantic = mode != SearchMode.LEXICAL
         lexical = mode != SearchMode.SEMANTIC and snap.lexical is not None  # an older version: semantic only
         # Fusing needs more than k from each leg: a product ranked 15th by both should beat one 9th by one.
-        depth = max(k, fusion.depth) if semantic and lexical else k
+        depth = max(k, (fusion or self.fusion).depth) if semantic and lexical else k
         out = Ranking([])
         sem: list[Ranked] = []
         if semantic:
@@ -251,14 +258,30 @@ class ProductIndex:
                               [snap.lexical.typed(Terms.of(t)).attributes for t in texts])
         if semantic and lexical:
             assert snap.lexical is not None
-            out.lists = [fusion.fuse(s, Ranked.single(LEXICAL_LEG, x.rows, x.scores), x.complete, k,
-                                     single_word=x.terms == 1, carriers=snap.lexical.carrying(x.attributes))
+            out.lists = [fuse(fusion or self.fusion_for(x), s, x, k, snap.lexical.carrying(x.attributes))
                          for s, x in zip(sem, lex, strict=True)]
         elif lexical:
             out.lists = [Ranked.single(LEXICAL_LEG, x.rows, x.scores) for x in lex]
         else:
             out.lists = sem
         return out
+
+    def fusion_for(self, hits: LexicalHits) -> Fusion:
+        """The fusion for a query's shape: fitted on the team's judgements, else the default."""
+        if self.fitted is None:
+            return self.fusion
+        return self.fitted.for_shape(query_shape(hits.terms, len(hits.attributes)))
+
+    def legs(self, texts: Sequence[str], queries: npt.NDArray[np.floating]) -> list[Legs]:
+        """Both legs' candidates per query at the fusion's depth, to fuse again under other weights
+        (catalog/fusion_fit.py); the version must have a lexical index."""
+        snap = self._snap
+        if snap.lexical is None:
+            raise FailedPrecondition(f"index version {snap.path.name} has no lexical index")
+        depth = self.fusion.depth
+        sem = self._semantic(snap, _vectors(snap, queries), depth, ())
+        lex = [snap.lexical.search(t, depth) for t in texts]
+        return [Legs(s, x, snap.lexical.carrying(x.attributes)) for s, x in zip(sem, lex, strict=True)]
 
     def _semantic(self, snap: Snapshot, q: F32, k: int, filters: Filters) -> list[Ranked]:
         if k < 1:

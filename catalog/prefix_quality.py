@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from catalog import store
-from catalog.fusion import Fusion, SearchMode
+from catalog.fusion import FittedFusion, Fusion, SearchMode
 from catalog.index import ProductIndex
 from catalog.job import job_backend
 from catalog.judgements import read_judgements
@@ -54,12 +54,13 @@ async def evaluate_prefixes(settings: Settings, *, known_items: int = 1000, seed
     sets += attribute_queries(products)  # the grocery catalog's attribute queries
     if judgements is not None:  # a team's labelled queries (catalog/judgements.py)
         sets.append(read_judgements(judgements, products).queries)
-    fusion = fusion or index.fusion
     model_dir = settings.model.model_dir
     embedder = Embedder(load_tokenizer(model_dir, load_manifest(model_dir)), backend,
                         max_batch=max(len(s.queries) for s in sets))
     result: dict[str, Any] = {"index_version": index.version, "items": index.size, "model_id": index.model_id,
-                              "faiss": index.manifest["index"], "fusion": dataclasses.asdict(fusion),
+                              "faiss": index.manifest["index"],
+                              "fusion": dataclasses.asdict(fusion or index.fusion) if fusion or not index.fitted
+                              else {"fitted per query shape": index.manifest["fusion"]["shapes"]},
                               "complete_last_word": index.complete_last_word,
                               "cuts": list(cuts), "modes": [m.value for m in modes], "sets": {}}
     try:
@@ -76,7 +77,8 @@ async def evaluate_prefixes(settings: Settings, *, known_items: int = 1000, seed
 
 
 async def _score_set(index: ProductIndex, embedder: Embedder, qs: QuerySet, cuts: Sequence[int],
-                     modes: Sequence[SearchMode], fusion: Fusion, batch: int) -> dict[str, Any]:
+                     modes: Sequence[SearchMode], fusion: Fusion | None, batch: int) -> dict[str, Any]:
+    """`fusion` None: the version's own (fitted per query shape where `--fit` fitted it)."""
     out: dict[str, Any] = {}
     for pct in cuts:
         texts = [cut(q, pct) for q in qs.queries]
@@ -87,6 +89,46 @@ async def _score_set(index: ProductIndex, embedder: Embedder, qs: QuerySet, cuts
                                                                           fusion=fusion).lists], qs.relevant))
             for m in modes}
     return out
+
+
+async def fit_prefixes(settings: Settings, judgements: str | Path, cuts: Sequence[int] = CUTS) -> dict[str, Any]:
+    """Fit the hybrid fusion per query shape on `judgements` (catalog/fusion_fit.py) and publish the
+    newest version again with it; the before/after per cut on the held-out half of the queries."""
+    from catalog import fusion_fit
+    from catalog.publish import KEEP_VERSIONS
+
+    backend = job_backend(settings)
+    index = ProductIndex.from_settings(settings.catalog, expected_model_id=backend.version_id)
+    if not index.has_lexical:
+        raise ModelError(f"index version {index.version} has no lexical index: rebuild it with "
+                         "`embedcar catalog build`")
+    products, _rows = read_products(settings.catalog.index_root / index.version / store.PRODUCTS_FILE)
+    judged = read_judgements(judgements, products).queries
+    model_dir = settings.model.model_dir
+    embedder = Embedder(load_tokenizer(model_dir, load_manifest(model_dir)), backend, max_batch=len(judged.queries))
+    try:
+        await backend.start()
+        cases = await fusion_fit.cases(index, embedder, judged, cuts, settings.catalog.batch_size)
+    finally:
+        await backend.close()
+    default = index.fusion
+    fitting = [c for c in cases if not fusion_fit.held_out(c.query)]
+    scored = [c for c in cases if fusion_fit.held_out(c.query)]
+    half = FittedFusion(default, fusion_fit.fit(fitting, default))
+    held = fusion_fit.report(scored, default, half, cuts)
+    fitted = fusion_fit.fit(cases, default)
+    entry = fusion_fit.entry(fitted, default, str(judgements), held, len(judged.queries))
+    version = fusion_fit.publish_fitted(settings.catalog.index_root, settings.catalog.index_root / index.version,
+                                        entry, keep=KEEP_VERSIONS)
+    return {"fitted_from": index.version, "version": version.name, "shapes": entry["shapes"],
+            "held_out_shapes": sorted(half.shapes), "held_out": held}
+
+
+def fit_markdown(fit: dict[str, Any]) -> str:
+    lines = ["| cut | held-out queries | nDCG@10 default fusion | nDCG@10 fitted (on the other half) |",
+             "|---|---|---|---|"]
+    lines += [f"| {r['cut']} % | {r['queries']} | {r['before']:.3f} | {r['after']:.3f} |" for r in fit["held_out"]]
+    return "\n".join(lines)
 
 
 def verdict(result: dict[str, Any], *, margin: float = 0.05, margin_cuts: Sequence[int] = (25, 50)) -> list[str]:

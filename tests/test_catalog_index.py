@@ -210,7 +210,7 @@ def test_reload_refuses_a_newer_version_of_another_model(s: Settings) -> None:
     idx = ProductIndex.open(s.catalog.index_root, expected_model_id=MODEL)
     old = idx.version
     publish(s, clustered(120), model_id="other-model@1111/fp32")
-    assert idx.maybe_reload() is False
+    assert idx.reloaded() is None
     assert idx.version == old and idx.size == 100
 
 
@@ -226,7 +226,8 @@ def test_each_model_serves_its_own_newest_version_from_one_root(s: Settings) -> 
     assert (theirs.size, theirs.model_id) == (120, other)
     newer = publish(s, clustered(130))
     publish(s, clustered(140), model_id=other)
-    assert idx.maybe_reload() is True and (idx.version, idx.size) == (newer.name, 130)
+    swapped = idx.reloaded()
+    assert swapped is not None and (swapped.version, swapped.size) == (newer.name, 130)
 
 
 def test_pruning_keeps_the_newest_versions_of_each_model(s: Settings) -> None:
@@ -282,7 +283,7 @@ def test_readers_never_see_a_half_written_version(s: Settings) -> None:
 def test_hot_swap_under_concurrent_searches_fails_no_search(s: Settings) -> None:
     x = clustered(2000)
     publish(s, x, tag=" old")
-    idx = ProductIndex.open(s.catalog.index_root, expected_model_id=MODEL)
+    current = [ProductIndex.open(s.catalog.index_root, expected_model_id=MODEL)]  # as the sidecar's holder
     errors: list[BaseException] = []
     stop = threading.Event()
     counts = [0] * 4
@@ -290,7 +291,7 @@ def test_hot_swap_under_concurrent_searches_fails_no_search(s: Settings) -> None
     def searcher(n: int) -> None:
         while not stop.is_set():
             try:
-                hits = idx.search(x[n : n + 3], k=5, department="snacks" if n % 2 else None)
+                hits = current[0].search(x[n : n + 3], k=5, department="snacks" if n % 2 else None)
                 assert len(hits) == 3 and all(len(h) == 5 for h in hits)
                 counts[n] += 1
             except BaseException as exc:
@@ -304,15 +305,17 @@ def test_hot_swap_under_concurrent_searches_fails_no_search(s: Settings) -> None
         swaps = 0
         for i in range(3):
             publish(s, x, tag=f" new{i}")
-            swaps += idx.maybe_reload()
-        assert idx.maybe_reload() is False  # nothing newer now
+            if (newer := current[0].reloaded()) is not None:
+                current[0] = newer
+                swaps += 1
+        assert current[0].reloaded() is None  # nothing newer now
     finally:
         stop.set()
         for t in threads:
             t.join()
     assert not errors, errors[0]
     assert swaps == 3 and all(c > 0 for c in counts)
-    assert idx.search(x[:1], k=1)[0][0].fields["title"] == "item 0 new2"
+    assert current[0].search(x[:1], k=1)[0][0].fields["title"] == "item 0 new2"
 
 
 def test_old_versions_are_pruned(s: Settings) -> None:
