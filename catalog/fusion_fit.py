@@ -42,6 +42,9 @@ GRID: dict[str, tuple[float, ...]] = {
     "partial_weight": (0.1, 0.25, 0.5, 1.0),
     "single_word_weight": (0.25, 0.5, 1.0, 2.0),
 }
+# The weights that act on each shape (a one-word query has no partial tier; longer ones no one-word tier)
+ACTING = {"one-word": ("k", "single_word_weight")}
+DEFAULT_ACTING = ("k", "complete_weight", "partial_weight")
 MIN_CASES = 20  # query cuts of a shape: fewer keep the default (too few to tell a weight from noise)
 MIN_GAIN = 0.005  # mean nDCG@10 over the default on the fitting cases: less keeps the default
 
@@ -83,26 +86,35 @@ def mean_ndcg(cs: Sequence[Case], fusion_of: Any) -> float:
 
 
 def fit(cs: Sequence[Case], default: Fusion) -> dict[str, Fusion]:
-    """The best GRID point per query shape, where it beats `default` by MIN_GAIN on MIN_CASES cases."""
+    """The best GRID point per query shape, kept where it beats `default` by MIN_GAIN on at least
+    MIN_CASES cases and is no worse on either half of them (a point that wins on one half only fits
+    those queries, not the shape)."""
     by_shape: dict[str, list[Case]] = defaultdict(list)
     for c in cs:
         by_shape[c.legs.shape].append(c)
-    points = [Fusion(**{**dataclasses.asdict(default), **dict(zip(GRID, values, strict=True))})
-              for values in itertools.product(*GRID.values())]
     out: dict[str, Fusion] = {}
     for shape in SHAPES:
         group = by_shape.get(shape, [])
         if len(group) < MIN_CASES:
             continue
+        names = ACTING.get(shape, DEFAULT_ACTING)
+        points = [Fusion(**{**dataclasses.asdict(default), **dict(zip(names, values, strict=True))})
+                  for values in itertools.product(*(GRID[n] for n in names))]
         base = mean_ndcg(group, lambda _c: default)
         best, best_score = default, base
         for f in points:
             score = mean_ndcg(group, lambda _c, f=f: f)
             if score > best_score:
                 best, best_score = f, score
-        if best_score >= base + MIN_GAIN:
+        halves = [[c for c in group if _half(c.query) == h] for h in (0, 1)]
+        steady = all(mean_ndcg(h, lambda _c, f=best: f) >= mean_ndcg(h, lambda _c: default) for h in halves)
+        if best_score >= base + MIN_GAIN and steady:
             out[shape] = best
     return out
+
+
+def _half(query: str) -> int:
+    return hashlib.sha256(query.encode()).digest()[1] % 2
 
 
 def held_out(query: str) -> bool:

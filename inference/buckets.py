@@ -15,16 +15,6 @@ from inference.errors import InvalidInput
 DEFAULT_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
 
 
-def validate_buckets(buckets: Sequence[int], max_length: int) -> tuple[int, ...]:
-    """Sorted, positive, unique, and the last one covers `max_length`."""
-    out = tuple(sorted(set(int(b) for b in buckets)))
-    if not out or out[0] <= 0:
-        raise InvalidInput(f"buckets must be positive integers, got {list(buckets)}")
-    if out[-1] < max_length:
-        raise InvalidInput(f"largest bucket {out[-1]} is below the max sequence length {max_length}")
-    return out
-
-
 def buckets_for_max_length(max_length: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> tuple[int, ...]:
     """The default buckets cut at the first one that covers `max_length`."""
     kept = [b for b in sorted(buckets) if b < max_length]

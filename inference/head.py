@@ -93,10 +93,6 @@ class Head:
             out = layer(out)
         return check_finite(l2_normalize(out) if self.normalize else out)
 
-    @property
-    def needs_input_ids(self) -> bool:
-        return self.mode == "mean_excluding_special"
-
 
 def head_params(model_dir: Path, manifest: Manifest) -> dict[str, str]:
     """The head as Triton string parameters (what `from_params` reads back inside a stub)."""

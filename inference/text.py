@@ -13,13 +13,6 @@ from inference.errors import InvalidInput
 _SPACE = re.compile(r"\s+")
 
 
-def decode_utf8(raw: bytes) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidInput(f"text is not valid UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from exc
-
-
 # The most one character can grow under NFKC (U+FDFA, 18 characters; UAX #15, "Stream-Safe").
 NFKC_MAX_GROWTH = 18
 # Past `limit`, NFKC runs on pieces of about this many characters: each call writes at most ~18k

@@ -396,13 +396,6 @@ class Client(_Calls):
                                       timeout=timeout_s, metadata=self._metadata)
         return decode_search(reply)
 
-    def raw_embed(self, payload: bytes, *, timeout_s: float | None = None) -> bytes:
-        """Send pre-serialised request bytes (tests of malformed input, benchmarks)."""
-        call: Any = self._channel.unary_unary(EMBED)
-        with RPC_ERRORS:
-            out: bytes = call(payload, timeout=timeout_s, metadata=self._metadata)
-        return out
-
     def close(self) -> None:
         self._channel.close()
 

@@ -10,7 +10,6 @@ from inference.buckets import (
     buckets_for_max_length,
     group_by_bucket,
     split_batches,
-    validate_buckets,
 )
 from inference.errors import InvalidInput
 
@@ -56,8 +55,3 @@ def test_split_batches_bounded_and_complete(idx: list[int], size: int) -> None:
 def test_buckets_for_max_length_cut_at_model_limit() -> None:
     assert buckets_for_max_length(256) == (16, 32, 64, 128, 256)
     assert buckets_for_max_length(100) == (16, 32, 64, 100)
-    assert validate_buckets([64, 16, 32, 16], 64) == (16, 32, 64)
-    with pytest.raises(InvalidInput):
-        validate_buckets([16, 32], 64)
-    with pytest.raises(InvalidInput):
-        validate_buckets([0, 16], 16)

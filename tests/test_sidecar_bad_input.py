@@ -37,20 +37,30 @@ def test_grpc_rejects_bad_search_k(sidecar_client: Client) -> None:
         sidecar_client.search(["milk"], k=10_000)
 
 
+def raw_embed(client: Client, payload: bytes, *, timeout_s: float | None = None) -> bytes:
+    """Pre-serialised request bytes to Embed, as a client with another proto (or none) sends them."""
+    from sidecar.client import EMBED, RPC_ERRORS
+
+    call = client._channel.unary_unary(EMBED)
+    with RPC_ERRORS:
+        out: bytes = call(payload, timeout=timeout_s)
+    return out
+
+
 def test_grpc_rejects_unknown_fields_and_invalid_utf8(sidecar_client: Client) -> None:
     good = pb.EmbedRequest(texts=["milk"]).SerializeToString()
     with pytest.raises(InvalidInput, match="unknown"):
-        sidecar_client.raw_embed(good + b"\x98\x06\x01")  # field 99, varint 1
+        raw_embed(sidecar_client, good + b"\x98\x06\x01")  # field 99, varint 1
     with pytest.raises(InvalidInput, match="UTF-8"):
-        sidecar_client.raw_embed(b"\x0a\x03\xff\xfe\xfd")  # texts[0] = invalid UTF-8
+        raw_embed(sidecar_client, b"\x0a\x03\xff\xfe\xfd")  # texts[0] = invalid UTF-8
     with pytest.raises(InvalidInput):
-        sidecar_client.raw_embed(b"\xff\xff\xff")  # not a message at all
+        raw_embed(sidecar_client, b"\xff\xff\xff")  # not a message at all
 
 
 def test_grpc_rejects_50mb_payload(sidecar_client: Client) -> None:
     payload = pb.EmbedRequest(texts=["y" * (1 << 20)] * 50).SerializeToString()
     with pytest.raises(InvalidInput, match="larger than max"):
-        sidecar_client.raw_embed(payload, timeout_s=60)
+        raw_embed(sidecar_client, payload, timeout_s=60)
 
 
 @pytest.mark.parametrize(("body", "status", "message"), [

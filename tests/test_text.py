@@ -8,18 +8,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from inference.errors import InvalidInput
-from inference.text import check_texts, decode_utf8, normalize
+from inference.text import check_texts, normalize
 
 
 def test_normalize_nfkc_whitespace_case() -> None:
     assert normalize("  Ｒunning\t\n SHOES ", lowercase=True) == "running shoes"
     assert normalize("ﬁne  Café", lowercase=False) == "fine Café"
-
-
-def test_decode_rejects_invalid_utf8() -> None:
-    assert decode_utf8("café".encode()) == "café"
-    with pytest.raises(InvalidInput, match="not valid UTF-8"):
-        decode_utf8(b"caf\xe9")
 
 
 @pytest.mark.parametrize(
