@@ -70,8 +70,9 @@ class ServiceSearch:
         self._model = model
 
     async def __call__(self, text: str, *, k: int, timeout_s: float, mode: SearchMode) -> SearchResult:
-        res = await self._service.search([text], k=k, mode=mode, model=self._model,
-                                         deadline=time.monotonic() + timeout_s)
+        service = self._service
+        call = service.call(service.caller(None), model=self._model, deadline=time.monotonic() + timeout_s)
+        res = await service.search(call, [text], k=k, mode=mode)
         # The service's hits as the gRPC front would send them, so the page sees one type either way.
         hits = [[SearchHit(h.id, float(h.score), h.fields, h.legs, h.matched) for h in hl] for hl in res.hits]
         # The reply's own id: the version that answered, also after a rollout swapped the model.

@@ -50,7 +50,11 @@ class PayloadTooLarge(InvalidInput):
 
 
 class RequestTimeout(InvalidInput):
-    """A request's body did not arrive within the HTTP facade's body timeout (HTTP 408)."""
+    """A request's head or body did not arrive within the HTTP facade's timeout (HTTP 408)."""
+
+
+class HeadersTooLarge(InvalidInput):
+    """An HTTP request head over the facade's limit (HTTP 431)."""
 
 
 class Unauthenticated(EmbedcarError):
@@ -99,6 +103,7 @@ ERROR_CODES: dict[type[EmbedcarError], ErrorCode] = {
     InvalidInput: ErrorCode("INVALID_ARGUMENT", 400, "invalid_argument"),
     PayloadTooLarge: ErrorCode("INVALID_ARGUMENT", 413, "invalid_argument"),
     RequestTimeout: ErrorCode("INVALID_ARGUMENT", 408, "request_timeout"),
+    HeadersTooLarge: ErrorCode("INVALID_ARGUMENT", 431, "invalid_argument"),
     Unauthenticated: ErrorCode("UNAUTHENTICATED", 401, "unauthenticated"),
     Overloaded: ErrorCode("RESOURCE_EXHAUSTED", 429, "resource_exhausted"),
     Shed: ErrorCode("CANCELLED", 429, "shed"),

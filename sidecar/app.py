@@ -31,6 +31,7 @@ from sidecar import models
 from sidecar.admission import Admission
 from sidecar.auth import KeyRing, check_bind
 from sidecar.cache import EmbeddingCache
+from sidecar.calls import Requests
 from sidecar.grpc_server import EmbedderServicer, create_server, health_status
 from sidecar.listeners import ConnectionCaps, Listener, ListenerCheck, connection_caps, raise_open_files_limit
 from sidecar.metrics import Metrics
@@ -305,8 +306,8 @@ class Sidecar:
         from sidecar.http_protocol import HttpLimits, UpgradeTolerantHttp
 
         s = self.settings.sidecar
-        app = create_app(self.service, self.metrics, max_body_bytes=max_bytes, serving=lambda: self.serving,
-                         gate=self.http_gate, body_timeout_s=s.http_body_timeout_s)
+        app = create_app(Requests(self.service, self.metrics, self.http_gate), max_body_bytes=max_bytes,
+                         serving=lambda: self.serving, body_timeout_s=s.http_body_timeout_s)
         sock = listen_tcp(host, port, flag="--http-port")
         self.http_port = int(sock.getsockname()[1])
         limits = HttpLimits(header_timeout_s=s.http_header_timeout_s, max_connections=max_connections,
@@ -339,7 +340,7 @@ class Sidecar:
             for m in self.models:
                 # The operator's own: no key, no rate limit, the shared cache partition.
                 call = self.service.call(None, model=m.name, deadline=time.monotonic() + 60)
-                await self.service.embed_call(call, queries[i:i + step])
+                await self.service.embed(call, queries[i:i + step])
         log.info("cache warmed with %d queries", len(queries))
         return len(queries)
 

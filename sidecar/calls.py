@@ -1,12 +1,13 @@
 """A request, whichever transport brought it: the gate, parsing, the service, the reply or its error.
 
-The gRPC server (`sidecar.grpc_server`) hands this module an Embedder request's bytes and writes back
-what it returns; the HTTP facade (`sidecar.http_api`) parses its JSON itself and shares the error
-handling. So each of these is written once here:
+Every request takes one path: gate -> key -> parse -> `Requests.admit` (the rate limit, the model: one
+`Call`) -> `Requests.embed` / `Requests.search` (the service, counted) -> reply. The gRPC server
+(`sidecar.grpc_server`) hands this module an Embedder request's bytes and writes back what it
+returns; the HTTP facade (`sidecar.http_api`) checks the key in its middleware, parses its JSON, and
+calls the same `admit`, `embed` / `search` and `failure`. So each of these is written once here:
 
     `failure`        a failed request's error, counted; a bug's traceback logged (INTERNAL to its caller)
-    `Requests`       Embed and Search bytes -> gate -> parse -> service (`EmbedService.open`: the key, the
-                     rate limit, the model: one `Call`) -> reply bytes
+    `Requests`       the path above; for gRPC from the request's bytes to the reply's
     `StreamSession`  one Stream call: the key checked once as it opens, each message gated, answered by
                      its own task, an error as its reply
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ from inference.errors import EmbedcarError, Internal, InvalidInput, Overloaded
 from sidecar.errors import status
 from sidecar.metrics import Metrics
 from sidecar.proto import embedcar_pb2 as pb
-from sidecar.service import Call, EmbedOutcome, EmbedService
+from sidecar.service import Call, EmbedOutcome, EmbedService, SearchOutcome
 from sidecar.shedding import Gate
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,23 @@ def failure(metrics: Metrics, rpc: str, exc: BaseException) -> EmbedcarError:
         exc = Internal(f"unexpected error: {type(exc).__name__}")
     metrics.requests.labels(rpc, exc.code).inc()
     return exc
+
+
+@dataclass(frozen=True, slots=True)
+class SearchArgs:
+    """A Search request's arguments beside its texts, from either transport."""
+
+    k: int
+    filters: dict[str, str]
+    mode: str
+
+    @classmethod
+    def of(cls, req: pb.SearchRequest) -> SearchArgs:
+        try:  # proto3 enums are open: an unknown number parses, and is refused here
+            mode = pb.SearchMode.Name(req.mode)
+        except ValueError:
+            raise InvalidInput(f"unknown search mode {req.mode}") from None
+        return cls(req.k, merged(dict(req.filters), department=req.department, aisle=req.aisle), mode)
 
 
 @dataclass(slots=True)
@@ -126,7 +144,7 @@ class Requests:
         self.metrics = metrics
         self.gate = gate  # refuses at once under overload, before a request is parsed (sidecar.shedding)
         # Label lookups cost ~15 µs each: bind the hot ones once.
-        self._ok = {"embed": metrics.requests.labels("embed", "ok"), "search": metrics.requests.labels("search", "ok")}
+        self._ok = {rpc: metrics.requests.labels(rpc, "ok") for rpc in ("embed", "search", "http_embed", "http_search")}
 
     def failure(self, rpc: str, exc: BaseException) -> EmbedcarError:
         return failure(self.metrics, rpc, exc)
@@ -143,27 +161,33 @@ class Requests:
         t0 = time.perf_counter_ns()
         tenant = self.service.caller(key)
         request = decode(pb.EmbedRequest if rpc == "embed" else pb.SearchRequest, raw)
-        call = self.service.call(tenant, model=request.model or None, deadline=deadline, t0=t0)
+        call = self.admit(tenant, request.model or None, deadline, t0)
         return bytes((await self.finish(Parsed(rpc, request, deadline, call))).SerializeToString())
 
-    async def finish(self, parsed: Parsed) -> pb.EmbedReply | pb.SearchReply:
-        """The reply message of an admitted request; counts it."""
-        assert parsed.call is not None
-        reply: pb.EmbedReply | pb.SearchReply
-        if parsed.rpc == "embed":
-            reply = _embed_reply(parsed.request, await self.service.embed_call(parsed.call, parsed.request.texts))
-        else:
-            reply = await self._search(parsed.request, parsed.call)
-        self._ok[parsed.rpc].inc()
-        return reply
+    def admit(self, tenant: str | None, model: str | None, deadline: float | None = None,
+              t0: int | None = None) -> Call:
+        """A request of `tenant` (its key checked) admitted: its rate-limit token, its model (EmbedService.call)."""
+        return self.service.call(tenant, model=model, deadline=deadline, t0=t0)
 
-    async def _search(self, req: pb.SearchRequest, call: Call) -> pb.SearchReply:
-        try:  # proto3 enums are open: an unknown number parses, and is refused here
-            mode = pb.SearchMode.Name(req.mode)
-        except ValueError:
-            raise InvalidInput(f"unknown search mode {req.mode}") from None
-        filters = merged(dict(req.filters), department=req.department, aisle=req.aisle)
-        found = await self.service.search_call(call, req.texts, k=req.k, filters=filters, mode=mode)
+    async def embed(self, rpc: str, call: Call, texts: Sequence[object]) -> EmbedOutcome:
+        """Embed for an admitted request of either transport, counted under `rpc` when answered."""
+        out = await self.service.embed(call, texts)
+        self._ok[rpc].inc()
+        return out
+
+    async def search(self, rpc: str, call: Call, texts: Sequence[object], args: SearchArgs) -> SearchOutcome:
+        """Search for an admitted request of either transport, counted under `rpc` when answered."""
+        out = await self.service.search(call, texts, k=args.k, filters=args.filters, mode=args.mode)
+        self._ok[rpc].inc()
+        return out
+
+    async def finish(self, parsed: Parsed) -> pb.EmbedReply | pb.SearchReply:
+        """The reply message of an admitted gRPC request; counts it."""
+        assert parsed.call is not None
+        if parsed.rpc == "embed":
+            return _embed_reply(parsed.request, await self.embed("embed", parsed.call, parsed.request.texts))
+        req: pb.SearchRequest = parsed.request
+        found = await self.search("search", parsed.call, req.texts, SearchArgs.of(req))
         return pb.SearchReply(
             results=[pb.HitList(hits=[pb.Hit(id=h.id, score=h.score, fields=h.fields, legs=h.legs, matched=h.matched)
                                       for h in hits]) for hits in found.hits],
@@ -243,7 +267,7 @@ class StreamSession:
         return bytes(reply.SerializeToString())
 
     def _call(self, parsed: Parsed) -> Call:
-        return self._requests.service.call(self.tenant, model=parsed.request.model or None, deadline=parsed.deadline)
+        return self._requests.admit(self.tenant, parsed.request.model or None, parsed.deadline)
 
     def _failed(self, message: bytes, rid: int, rpc: str, exc: Exception) -> bytes:
         """A message's error reply (counted): the id echoed where it was read (or can be)."""

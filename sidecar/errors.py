@@ -10,14 +10,6 @@ import grpc
 from inference.errors import EmbedcarError, PayloadTooLarge, error_code, error_for_grpc
 
 
-def grpc_code(exc: EmbedcarError) -> grpc.StatusCode:
-    return grpc.StatusCode[error_code(type(exc)).grpc]
-
-
-def http_status(exc: EmbedcarError) -> int:
-    return error_code(type(exc)).http
-
-
 class Status(NamedTuple):
     """What a failed request answers, on gRPC (either server) and on HTTP alike."""
 

@@ -73,14 +73,14 @@ class KeyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # untyp
             try:
                 self._keys.tenant_for(_key_in(details.invocation_metadata))
             except Unauthenticated as exc:
-                return _deny(exc.message)
+                return _deny(exc)
         return await continuation(details)
 
 
-def _deny(message: str) -> grpc.RpcMethodHandler[Any, Any]:
+def _deny(exc: EmbedcarError) -> grpc.RpcMethodHandler[Any, Any]:
     async def abort(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         # stream-stream, so nothing is read first: fits a call of any cardinality.
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(status(exc).grpc, exc.message)
 
     return grpc.stream_stream_rpc_method_handler(abort)
 

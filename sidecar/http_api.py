@@ -9,8 +9,9 @@ Bodies are read and checked by hand (size cap, UTF-8, JSON types and depth, unkn
 bad request gets a 4xx with a message that says what was wrong. A POST's key is checked from its headers
 (once: the tenant found goes with the request to its route) and its body read whole, within a timeout, by
 `HttpGate` (sidecar.shedding) before it is routed: a caller without a key never has its body read, nor
-one slow to send it a place among those in progress. Errors answer what every transport answers
-(sidecar.errors.status); a bug is a JSON 500, logged (sidecar.calls.failure).
+one slow to send it a place among those in progress. The route then takes the path every request
+takes (sidecar.calls.Requests: admit -> embed / search, counted); errors answer what every transport
+answers (sidecar.errors.status); a bug is a JSON 500, logged (sidecar.calls.failure).
 
 With API keys set, /v1/embeddings, /v1/search and /metrics need one (`Authorization: Bearer <key>` or
 `x-api-key`; Prometheus sends the former with `authorization: {credentials: ...}`): the metrics name
@@ -35,11 +36,9 @@ from catalog.filters import merged
 from catalog.fusion import SearchMode, parse_mode
 from inference.errors import EmbedcarError, InvalidInput, Unauthenticated
 from inference.pooling import l2_normalize
-from sidecar.calls import failure
+from sidecar.calls import Requests, SearchArgs, failure
 from sidecar.errors import status
-from sidecar.metrics import Metrics
-from sidecar.service import EmbedService
-from sidecar.shedding import Gate, HttpGate, Scope
+from sidecar.shedding import HttpGate, Scope
 
 # Each body's fields: name -> (JSON type, meaning). The parsers accept exactly these names, and
 # docs/http.md is written from these tables (sidecar/http_reference.py), replies' likewise.
@@ -149,10 +148,12 @@ def truncate_dimensions(emb: np.ndarray, dims: int | None, *, normalize: bool = 
 @dataclass(frozen=True, slots=True)
 class SearchBody:
     texts: list[str]
-    k: int
-    filters: dict[str, str]
-    mode: SearchMode
+    args: SearchArgs
     model: str | None = None
+
+    @property
+    def mode(self) -> SearchMode:
+        return parse_mode(self.args.mode)
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
@@ -209,7 +210,7 @@ def parse_search_request(body: bytes) -> SearchBody:
     mode = doc.get("mode", SearchMode.SEMANTIC.value)
     if not isinstance(mode, str):
         raise InvalidInput("`mode` must be \"semantic\", \"lexical\" or \"hybrid\"")
-    return SearchBody(texts, k, filters, parse_mode(mode), _model_field(doc))
+    return SearchBody(texts, SearchArgs(k, filters, parse_mode(mode).value), _model_field(doc))
 
 
 def _api_key(headers: Headers) -> str | None:
@@ -229,10 +230,11 @@ def _tenant(request: Request) -> str:
     return tenant
 
 
-def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int, serving: Callable[[], bool],
-               gate: Gate | None = None, body_timeout_s: float = 10.0) -> FastAPI:
-    """`gate`: refuse POSTs at once under overload (sidecar.shedding), before routing and the body, and
-    count them in flight once their body has arrived."""
+def create_app(requests: Requests, *, max_body_bytes: int, serving: Callable[[], bool],
+               body_timeout_s: float = 10.0) -> FastAPI:
+    """`requests.gate`: refuse POSTs at once under overload (sidecar.shedding), before routing and the
+    body, and count them in flight once their body has arrived."""
+    service, metrics, gate = requests.service, requests.metrics, requests.gate
     app = FastAPI(title="embedcar sidecar", docs_url=None, redoc_url=None, openapi_url=None)
 
     def check(scope: Scope) -> EmbedcarError | None:
@@ -256,12 +258,11 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int, 
     async def embeddings(request: Request) -> Response:
         try:
             body = parse_embeddings_request(await request.body())
-            call = service.call(_tenant(request), model=body.model)
-            out = await service.embed_call(call, body.texts)
+            call = requests.admit(_tenant(request), body.model)
+            out = await requests.embed("http_embed", call, body.texts)
             emb = truncate_dimensions(out.embeddings, body.dimensions, normalize=call.served.manifest.normalize)
         except Exception as exc:  # a bug too: a JSON 500 like gRPC's INTERNAL, not a crash
             return _error(failure(metrics, "http_embed", exc))
-        metrics.requests.labels("http_embed", "ok").inc()
         data: list[dict[str, Any]] = [
             {"object": "embedding", "index": i,
              "embedding": base64.b64encode(row.astype("<f4").tobytes()).decode() if body.encoding_format == "base64"
@@ -277,11 +278,9 @@ def create_app(service: EmbedService, metrics: Metrics, *, max_body_bytes: int, 
     async def search(request: Request) -> Response:
         try:
             q = parse_search_request(await request.body())
-            out = await service.search_call(service.call(_tenant(request), model=q.model), q.texts, k=q.k,
-                                            filters=q.filters, mode=q.mode)
+            out = await requests.search("http_search", requests.admit(_tenant(request), q.model), q.texts, q.args)
         except Exception as exc:
             return _error(failure(metrics, "http_search", exc))
-        metrics.requests.labels("http_search", "ok").inc()
         data = [{"index": i, "cache_hit": hit, "hits": [
                     {"id": h.id, "score": h.score, "fields": h.fields, "legs": list(h.legs),
                      "matched": list(h.matched)} for h in hits]}

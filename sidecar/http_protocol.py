@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http
 import logging
 import re
 import socket
@@ -43,6 +44,9 @@ from typing import Any, NoReturn, Protocol, cast
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from inference.errors import EmbedcarError, HeadersTooLarge, RequestTimeout, Unavailable
+from sidecar.errors import status
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _Fast
@@ -83,6 +87,21 @@ def offers_upgrade(head: bytes) -> bool:
         if name.strip().lower() == b"upgrade" and value.strip().lower() != b"websocket":
             return True
     return False
+
+
+def status_line(exc: EmbedcarError) -> bytes:
+    """What the protocol answers for `exc` on its own (no app, no body): its status from the one error
+    table (sidecar.errors.status), with Retry-After where it has one."""
+    code = status(exc).http
+    line = f"{code} {http.HTTPStatus(code).phrase}"
+    if exc.retry_after_s:
+        line += f"\r\nretry-after: {max(1, round(exc.retry_after_s))}"
+    return line.encode()
+
+
+_FULL = status_line(Unavailable("connection limit reached", retry_after_s=1.0))
+_HEAD_LATE = status_line(RequestTimeout("request head not received in time"))
+_HEAD_LARGE = status_line(HeadersTooLarge("request head over the limit"))
 
 
 def _answer_and_close(transport: asyncio.BaseTransport, status: bytes) -> None:
@@ -194,11 +213,10 @@ class UpgradeTolerantHttp(asyncio.Protocol):
         transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport, but is one
         self._transport = transport
         if self.counted_in is not None and not self.counted_in.admit(self):
-            _answer_and_close(transport, b"503 Service Unavailable\r\nretry-after: 1")
+            _answer_and_close(transport, _FULL)
             return
         self._server_connections.add(self)  # uvicorn's: a graceful shutdown calls `shutdown`, waits for it to go
-        self._timer = self._loop.call_later(self.limits.header_timeout_s, _answer_and_close, transport,
-                                            b"408 Request Timeout")
+        self._timer = self._loop.call_later(self.limits.header_timeout_s, _answer_and_close, transport, _HEAD_LATE)
 
     def evict(self) -> None:
         if self._transport is not None:
@@ -214,7 +232,7 @@ class UpgradeTolerantHttp(asyncio.Protocol):
         size = len(self._head.data) if end is None else end
         if size > self.limits.max_head_bytes:
             self._stop_timer()
-            _answer_and_close(transport, b"431 Request Header Fields Too Large")
+            _answer_and_close(transport, _HEAD_LARGE)
             return
         if end is None:
             return
@@ -409,7 +427,7 @@ class _GuardedFast(_Tracked, _Fast):
             end = self._head.add(data)
             size = len(self._head.data) if end is None else end
             if size > self.limits.max_head_bytes:
-                self._refuse(b"431 Request Header Fields Too Large")
+                self._refuse(_HEAD_LARGE)
                 return
             if end is None:
                 return
@@ -426,12 +444,12 @@ class _GuardedFast(_Tracked, _Fast):
         self._head_reads += 1
         self._head_bytes += len(data) if was_in_head else 0
         if self._head_bytes > self.limits.max_head_bytes or self._head_reads > _PIPELINED_HEAD_READS:
-            self._refuse(b"431 Request Header Fields Too Large")
+            self._refuse(_HEAD_LARGE)
         elif self._head_timer is None:
             self._start_head_timer()
 
     def _start_head_timer(self) -> None:
-        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._refuse, b"408 Request Timeout")
+        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._refuse, _HEAD_LATE)
 
     def _stop_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -484,7 +502,7 @@ class _GuardedH11(_Tracked, H11Protocol):
         if self.replying:
             self.transport.close()
         else:
-            _answer_and_close(self.transport, b"408 Request Timeout")
+            _answer_and_close(self.transport, _HEAD_LATE)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._head_timer is not None:

@@ -24,7 +24,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from catalog.filters import merged
 from catalog.fusion import SearchMode, parse_mode
 from inference.backends.base import Embeddings
 from inference.errors import InvalidInput, Overloaded, Unauthenticated
@@ -120,16 +119,8 @@ class EmbedService:
         tm.auth = time.perf_counter_ns() - t0
         return Call(served, self.partition(tenant), deadline, t0, tm)
 
-    def open(self, api_key: str | None, *, model: str | None = None, deadline: float | None = None) -> Call:
-        """`caller` then `call`: a request that brings its key with it (a unary call)."""
-        t0 = time.perf_counter_ns()
-        return self.call(self.caller(api_key), model=model, deadline=deadline, t0=t0)
-
-    async def embed(self, texts: Sequence[object], *, model: str | None = None, api_key: str | None = None,
-                    deadline: float | None = None) -> EmbedOutcome:
-        return await self.embed_call(self.open(api_key, model=model, deadline=deadline), texts)
-
-    async def embed_call(self, call: Call, texts: Sequence[object]) -> EmbedOutcome:
+    async def embed(self, call: Call, texts: Sequence[object]) -> EmbedOutcome:
+        """Embed: the texts' vectors (the cache, the batcher, the backend) for an admitted `call`."""
         out = await call.served.pipeline.run(texts, call.deadline, call.timings, call.partition)
         return self._embedded(call, out)
 
@@ -142,17 +133,10 @@ class EmbedService:
         return EmbedOutcome(out.embeddings, out.cache_hits, out.truncated, out.tokens, timings, out.backend,
                             call.served.version_id)
 
-    async def search(self, texts: Sequence[object], *, k: int = 10, department: str | None = None,
-                     aisle: str | None = None, filters: Mapping[str, str] | None = None,
-                     mode: SearchMode | str = SearchMode.SEMANTIC, model: str | None = None,
-                     api_key: str | None = None, deadline: float | None = None) -> SearchOutcome:
-        return await self.search_call(self.open(api_key, model=model, deadline=deadline), texts, k=k,
-                                      filters=merged(filters, department=department, aisle=aisle), mode=mode)
-
-    async def search_call(self, call: Call, texts: Sequence[object], *, k: int = 10,
-                          filters: Mapping[str, str] | None = None,
-                          mode: SearchMode | str = SearchMode.SEMANTIC) -> SearchOutcome:
-        """`filters`: field -> value (catalog/filters.py: department and aisle are fields like any other)."""
+    async def search(self, call: Call, texts: Sequence[object], *, k: int = 10,
+                     filters: Mapping[str, str] | None = None,
+                     mode: SearchMode | str = SearchMode.SEMANTIC) -> SearchOutcome:
+        """Search for an admitted `call`; `filters`: field -> value (catalog/filters.py)."""
         tm, served = call.timings, call.served  # its pipeline and its index, whatever a rollout does meanwhile
         mode = parse_mode(mode)
         k = k or 10

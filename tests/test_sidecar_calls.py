@@ -112,7 +112,7 @@ def test_a_bug_is_internal_on_every_transport_and_logged_once(keyed: Sidecar,
     def broken(*_args: Any, **_kwargs: Any) -> Any:
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(keyed.service, "embed_call", broken)
+    monkeypatch.setattr(keyed.service, "embed", broken)
     caplog.set_level(logging.ERROR, logger="sidecar.calls")
     answers: list[object] = []
     r = _http_embed(keyed, "plum jam")

@@ -148,7 +148,8 @@ async def test_a_joiner_whose_deadline_passes_first_leaves_the_leader_computing(
             # Through the service on the sidecar's own loop, so the error is the sidecar's join
             # deadline and not a client's timer racing it.
             with pytest.raises(DeadlineExceeded, match="waiting for a shared inference"):
-                await asyncio.to_thread(t.call, sc.service.embed(["plum sorbet"], deadline=time.monotonic() + 0.5))
+                call = sc.service.call(None, deadline=time.monotonic() + 0.5)
+                await asyncio.to_thread(t.call, sc.service.embed(call, ["plum sorbet"]))
             assert joins.get() == before + 1 and not leader.done()
             probe_backend.hold.set()
             r = await asyncio.wait_for(leader, 60)
