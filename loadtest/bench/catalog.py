@@ -261,3 +261,52 @@ def search_markdown(rows: Sequence[dict[str, Any]]) -> str:
                    f"({r['peak_anon_mb']}) | {r['size_mb']} | {r['p50_ms']} | {r['p95_ms']} | "
                    f"{r['recall_at_10_vs_exact']} |")
     return "\n".join(out)
+
+
+def bench_hybrid(settings: Settings, *, rounds: int = 6, judgements: str = "grocery") -> dict[str, Any]:
+    """Hybrid Search's index time per query on the newest version (FAISS, tantivy, fusion, the hits'
+    fields: what Search spends after the embedding), the judged queries at every cut, with the
+    version's attributes used as built against ignored, in alternating rounds."""
+    from catalog.attributes import Vocabulary
+    from catalog.fusion import SearchMode
+    from catalog.index import ProductIndex
+    from catalog.job import job_backend
+    from catalog.judgements import read_judgements
+    from catalog.prefix_quality import CUTS, cut
+    from catalog.product_table import read_products
+    from catalog.quality import embed_all
+    from inference.embedder import Embedder
+
+    backend = job_backend(settings)  # the model the index was built with, as `catalog quality` embeds
+    index = ProductIndex.from_settings(settings.catalog, expected_model_id=backend.version_id)
+    products, _rows = read_products(settings.catalog.index_root / index.version / store.PRODUCTS_FILE)
+    queries = read_judgements(judgements, products).queries.queries
+    texts = [cut(q, pct) for pct in CUTS for q in queries]
+    embedder = Embedder(load_tokenizer(settings.model.model_dir, load_manifest(settings.model.model_dir)), backend,
+                        max_batch=256)
+
+    async def embed() -> F32:
+        await backend.start()
+        try:
+            return await embed_all(embedder, index.embedding_texts(texts), 256)
+        finally:
+            await backend.close()
+
+    vectors = asyncio.run(embed())
+    lexical = index._snap.lexical  # the served version's: its vocabulary swapped for the "ignored" rounds
+    if lexical is None or not lexical.vocabulary:
+        raise NotFound(f"index version {index.version} has no attribute vocabulary: rebuild it with `catalog build`")
+    built, none = lexical.vocabulary, Vocabulary(())
+    times: dict[str, list[float]] = {"attributes": [], "no attributes": []}
+    for r in range(rounds):
+        for label in (("attributes", "no attributes") if r % 2 == 0 else ("no attributes", "attributes")):
+            lexical.vocabulary = built if label == "attributes" else none
+            for i, t in enumerate(texts):
+                t0 = time.perf_counter()
+                index.query([t], vectors[i : i + 1], 10, mode=SearchMode.HYBRID)
+                times[label].append((time.perf_counter() - t0) * 1000)
+    lexical.vocabulary = built
+    return {"host": host(), "index_version": index.version, "items": index.size, "queries": len(texts),
+            "rounds": rounds, "attributes": len(built.attributes),
+            "ms": {k: {"p50": round(float(np.percentile(v, 50)), 3), "p95": round(float(np.percentile(v, 95)), 3)}
+                   for k, v in times.items()}}

@@ -285,11 +285,24 @@ def _register_catalog(areas: Any) -> None:
     search.add_argument("--hnsw-max-items", type=int, default=200_000, help="skip HNSW above this size")
     search.add_argument("--json", dest="json_out", default=None, help="also write the rows here")
     search.set_defaults(func=_catalog_search)
+    hybrid = csub.add_parser("hybrid", help="hybrid Search's time per query after the embedding, with the index's "
+                             "attribute vocabulary against without (alternating rounds; judged queries, every cut)")
+    _catalog_flags(hybrid)
+    hybrid.add_argument("--rounds", type=int, default=6, help="alternating rounds of every query")
+    hybrid.set_defaults(func=_catalog_hybrid)
 
 
 def _catalog_flags(p: argparse.ArgumentParser) -> None:
     add_flags(p, "catalog", catalog.CatalogSettings, "index_root", "index_type", "batch_size", "in_flight")
     add_model_flags(p)
+
+
+def _catalog_hybrid(args: argparse.Namespace) -> int:
+    from loadtest.bench.catalog import bench_hybrid
+
+    print(json.dumps(bench_hybrid(catalog.Settings.load(overrides=flag_overrides(args)), rounds=args.rounds),
+                     indent=2))
+    return 0
 
 
 def _catalog_build(args: argparse.Namespace) -> int:
