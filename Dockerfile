@@ -9,8 +9,9 @@ FROM python:3.11-slim
 # which its wheel carries (a current release, unlike a distribution's libgrpc++).
 WORKDIR /app
 # The whole context, .dockerignore aside: the packages and the top-level modules pyproject's
-# `py-modules` names (embedcar_settings.py, embedcar_docs.py).
+# `py-modules` names (embedcar_settings.py, embedcar_docs.py), and client/, the embedcar-client
+# distribution the server depends on by name: named in the same pip command, it is taken from there.
 COPY . .
-RUN pip install --no-cache-dir -c constraints.txt . \
+RUN pip install --no-cache-dir -c constraints.txt ./client . \
  && pip install --no-cache-dir --no-deps nvidia-pytriton==0.7.0
 ENTRYPOINT ["embedcar"]

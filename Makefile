@@ -11,11 +11,14 @@ PYTRITON := nvidia-pytriton==0.7.0
 
 .PHONY: install model demo test faults lint docs lock clean browser native allocator java infinity gpu-bundle gpu-check
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml client/pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	@# setuptools' notice on every editable install (our packages sit at the top level) says nothing
 	@# a newcomer can act on: that one message only is silenced.
+	@# The client's distribution first (client/, embedcar-client): the server depends on it by name,
+	@# which only this checkout provides.
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -c constraints.txt -e ./client
 	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -c constraints.txt -e '.[export,tune,dev,ray,tools]'
 	$(BIN)/pip install -q --no-deps $(PYTRITON)
 	touch $@

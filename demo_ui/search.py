@@ -4,7 +4,7 @@ The websocket logic depends only on `SearchFn`, so it can be exercised against a
 implementation. `ServiceSearch` is the one `embedcar demo` runs: its sidecar lives in the demo
 server's process, so a keystroke calls the sidecar's service directly (its auth, rate limit,
 pipeline and index, no gRPC round trip). `SidecarSearch` calls a sidecar elsewhere over gRPC.
-Either way the page sees what a gRPC caller would (sidecar/results.py): the page is a client.
+Either way the page sees what a gRPC caller would (embedcar_client/results.py): the page is a client.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from catalog.fusion import SearchMode
-from sidecar.results import SearchHit, SearchResult
+from embedcar_client.results import SearchHit, SearchResult
 
 if TYPE_CHECKING:
-    from sidecar.client import AsyncClient
+    from embedcar_client.client import AsyncClient
     from sidecar.service import EmbedService
 
 # Sidecar stages the page draws as bar segments (the sidecar's own `total` is kept separately).

@@ -20,7 +20,7 @@ and floods close the connection (1009 / 1008). Nothing a client sends can stop t
 With API keys (the sidecar's, `create_app(keys=...)`), /ws needs one at the handshake: header
 `x-api-key` or `Authorization: Bearer`, or `?api_key=` (browsers cannot set websocket headers; the
 page passes on its own `?api_key=`). Without it the socket gets an `unauthenticated` error and
-closes with 1008. The page, its static files, /config and /health stay open.
+closes with 1008. The page, its static files, its icon, /config and /health stay open.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from catalog.fusion import SearchMode, parse_mode
+from demo_ui import favicon
 from demo_ui.limits import LIMITS, DemoLimits
 from demo_ui.ratecap import RateCap
 from demo_ui.search import SearchFn, aisle_agreement, hit_json
@@ -48,7 +49,7 @@ from demo_ui.slot import LatestSlot
 from embedcar_settings import DemoSettings
 from inference.errors import EmbedcarError, Internal, InvalidInput, Overloaded, Unauthenticated
 from inference.text import check_unicode
-from sidecar.auth import KeyRing
+from sidecar.auth import WEBSOCKET_KEY, KeyRing
 from sidecar.tls import server_tls
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 MAX_K = 50
 CLOSE_TOO_BIG = 1009
 CLOSE_POLICY = 1008
+_ICON_CACHE = {"Cache-Control": "public, max-age=86400"}
 CLOSED = "closed"  # the error code of the notice sent before the server closes a socket (not an error class)
 
 
@@ -242,9 +244,9 @@ def _ws_key(ws: WebSocket) -> str | None:
 
 def create_app(settings: DemoSettings, search: SearchFn, *, info: dict[str, str] | None = None,
                keys: KeyRing | None = None, compare: SearchFn | None = None, limits: DemoLimits = LIMITS) -> FastAPI:
-    """The page, its static files, `/config` for the page's defaults, `/health`, and `/ws` (which
-    needs one of `keys` when that ring is not empty). `compare`: a second model searched with every
-    keystroke, side by side (its id in `info["compare"]` heads its column before the first answer)."""
+    """The page, its static files, its icon (demo_ui.favicon), `/config` for the page's defaults, `/health`,
+    and `/ws` (which needs one of `keys` when that ring is not empty). `compare`: a second model searched with
+    every keystroke, side by side (its id in `info["compare"]` heads its column before the first answer)."""
     parse_mode(settings.search_mode)  # a mistyped EMBEDCAR_DEMO_SEARCH_MODE fails here, not on every keystroke
     app = FastAPI(title="embedcar typeahead demo", docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
@@ -254,6 +256,14 @@ def create_app(settings: DemoSettings, search: SearchFn, *, info: dict[str, str]
     @app.get("/", include_in_schema=False)
     async def index() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html")
+
+    @app.get("/favicon.svg", include_in_schema=False)
+    async def favicon_svg() -> Response:
+        return Response(favicon.SVG, media_type=favicon.SVG_TYPE, headers=_ICON_CACHE)
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon_ico() -> Response:
+        return Response(favicon.ico(), media_type=favicon.ICO_TYPE, headers=_ICON_CACHE)
 
     @app.get("/config")
     async def config() -> JSONResponse:
@@ -268,7 +278,7 @@ def create_app(settings: DemoSettings, search: SearchFn, *, info: dict[str, str]
         await ws.accept()
         if keys is not None and keys.enabled:
             try:
-                keys.tenant_for(_ws_key(ws))
+                keys.tenant_for(_ws_key(ws), how=WEBSOCKET_KEY)
             except Unauthenticated as exc:
                 # Accept first so the page can show why, then close: 1008 = policy violation.
                 with contextlib.suppress(Exception):

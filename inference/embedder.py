@@ -35,7 +35,8 @@ def load_tokenizer(model_dir: Path, manifest: Manifest, *, max_text_chars: int =
 
 @dataclass(slots=True)
 class EmbedderOutput:
-    """`Embedder.embed`'s answer, computed in this process (the sidecar's reply is sidecar.results.EmbedResult)."""
+    """`Embedder.embed`'s answer, computed in this process (the sidecar's reply is
+    embedcar_client.results.EmbedResult)."""
 
     embeddings: Embeddings
     truncated: list[bool]

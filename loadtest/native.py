@@ -30,14 +30,14 @@ from typing import Any
 
 import numpy as np
 
+from embedcar_client.client import embed_request, search_request, status_error, stream_error, timings_of
+from embedcar_client.proto import embedcar_pb2 as pb
 from inference.errors import Internal, InvalidInput, Unavailable
 from inference.grpc_io import for_other_grpc
 from loadtest.native_build import BUILD_DIR, build_native
 from loadtest.runner import RunConfig, RunResult, Sample, SelfPacedTarget, settled_stats
 from loadtest.schedule import arrival_offsets, pacer_report
 from loadtest.targets import SidecarEmbedTarget, SidecarSearchTarget, SidecarStreamTarget, Target, Timings
-from sidecar.client import embed_request, search_request, status_error, stream_error, timings_of
-from sidecar.proto import embedcar_pb2 as pb
 
 log = logging.getLogger(__name__)
 

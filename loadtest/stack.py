@@ -162,7 +162,7 @@ class SidecarProcess:
         self._wait_ready()
 
     def _wait_ready(self) -> None:
-        from sidecar.client import Client
+        from embedcar_client.client import Client
 
         deadline = time.monotonic() + self.startup_timeout_s
         last: Exception | None = None

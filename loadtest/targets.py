@@ -87,7 +87,7 @@ class PoolTarget(Target):
 
 
 class SidecarEmbedTarget(Target):
-    """The sidecar's gRPC Embed RPC through sidecar.client.AsyncClient."""
+    """The sidecar's gRPC Embed RPC through embedcar_client.client.AsyncClient."""
 
     name = "sidecar-embed"
     stream = False  # Embed as messages on one open Stream call instead of a unary call each
@@ -102,7 +102,7 @@ class SidecarEmbedTarget(Target):
         self.model = ""
 
     async def start(self) -> None:
-        from sidecar.client import AsyncClient
+        from embedcar_client.client import AsyncClient
 
         self._client = AsyncClient(self.grpc_target, api_key=self.api_key, stream=self.stream)
         await self._client.__aenter__()

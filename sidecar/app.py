@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Self
 from grpc_health.v1._async import HealthServicer
 
 from catalog.store import MANIFEST_FILE
+from embedcar_client.wire import SERVICE
 from inference import heap
 from inference.backends.base import Backend
 from inference.errors import EmbedcarError, InvalidInput, Unavailable
@@ -46,7 +47,6 @@ from sidecar.settings import Settings
 from sidecar.shedding import FRONT_SHARE, Gate
 from sidecar.tls import server_tls
 from sidecar.unix_socket import UnixSocket
-from sidecar.wire import SERVICE
 
 if TYPE_CHECKING:
     import grpc

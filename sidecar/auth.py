@@ -13,13 +13,31 @@ import ipaddress
 from collections.abc import Mapping
 from pathlib import Path
 
-from inference.errors import InvalidInput, Unauthenticated
+from inference.errors import EmbedcarError, InvalidInput, Unauthenticated
 from inference.private_paths import read_private_text
 from sidecar.settings import SidecarSettings
 
 ANONYMOUS = "anonymous"
 _SHA_PREFIX = "sha256:"
 MIN_KEY_CHARS = 16
+
+# How a caller sends its key, in the words of its transport: what a missing key's message tells it to do.
+GRPC_KEY = "send metadata x-api-key"
+HTTP_KEY = "send header Authorization: Bearer <key>, or x-api-key: <key>"
+WEBSOCKET_KEY = "open the page with ?api_key=<key>, or send header Authorization: Bearer <key> or x-api-key: <key>"
+
+
+class MissingKey(Unauthenticated):
+    """No key came (a wrong one is a plain Unauthenticated): the message says how to send one."""
+
+
+def missing_key(how: str) -> MissingKey:
+    return MissingKey(f"missing API key ({how})")
+
+
+def for_http(exc: EmbedcarError) -> EmbedcarError:
+    """`exc` as an HTTP caller should read it: a missing key names the headers, not gRPC's metadata."""
+    return missing_key(HTTP_KEY) if isinstance(exc, MissingKey) else exc
 
 
 def digest(key: str) -> bytes:
@@ -44,12 +62,13 @@ class KeyRing:
     def enabled(self) -> bool:
         return bool(self._entries)
 
-    def tenant_for(self, key: str | None) -> str:
-        """The tenant owning `key`, or Unauthenticated. Compares against every entry, always."""
+    def tenant_for(self, key: str | None, *, how: str = GRPC_KEY) -> str:
+        """The tenant owning `key`, or Unauthenticated (MissingKey without one, its message `how` to send
+        one: GRPC_KEY, HTTP_KEY, WEBSOCKET_KEY). Compares against every entry, always."""
         if not self._entries:
             return ANONYMOUS
         if not key:
-            raise Unauthenticated("missing API key (send metadata x-api-key)")
+            raise missing_key(how)
         d = digest(key)
         found: str | None = None
         for tenant, stored in self._entries:

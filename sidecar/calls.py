@@ -28,10 +28,10 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from catalog.filters import merged
+from embedcar_client.proto import embedcar_pb2 as pb
 from inference.errors import EmbedcarError, Internal, InvalidInput, Overloaded
 from sidecar.errors import status
 from sidecar.metrics import Metrics
-from sidecar.proto import embedcar_pb2 as pb
 from sidecar.service import Call, EmbedOutcome, EmbedService, SearchOutcome
 from sidecar.shedding import Gate
 

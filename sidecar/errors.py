@@ -1,5 +1,6 @@
 """inference.errors' code table at the sidecar's surfaces: an error's gRPC and HTTP status (`status`,
-what every transport answers), and a client's gRPC status back to an error."""
+what every transport answers). A client's gRPC status back to an error is the client's
+(embedcar_client.client.from_grpc)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import NamedTuple
 
 import grpc
 
-from inference.errors import EmbedcarError, PayloadTooLarge, error_code, error_for_grpc
+from inference.errors import EmbedcarError, error_code
 
 
 class Status(NamedTuple):
@@ -22,13 +23,3 @@ class Status(NamedTuple):
 def status(exc: EmbedcarError) -> Status:
     code = error_code(type(exc))
     return Status(grpc.StatusCode[code.grpc], code.http, exc.message, exc.retry_after_s)
-
-
-def from_grpc(code: grpc.StatusCode, details: str | None, retry_after_s: float | None = None) -> EmbedcarError:
-    """The project error for a gRPC failure seen by a client."""
-    cls = error_for_grpc(code.name)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and details and "larger than max" in details:
-        cls = PayloadTooLarge  # grpc's own max-message-size check: the request, not the server, is at fault
-    if code == grpc.StatusCode.CANCELLED:  # see Shed: gRPC's own refusal carries no message of ours
-        details = f"refused in the transport: too many calls waiting ({details or 'cancelled'})"
-    return cls(details or code.name.lower(), retry_after_s=retry_after_s)

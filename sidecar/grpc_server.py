@@ -20,6 +20,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 from grpc_reflection.v1alpha._async import ReflectionServicer
 
+from embedcar_client.wire import API_KEY, RETRY_AFTER_KEY, SERVICE
 from inference.errors import EmbedcarError, Unauthenticated
 from sidecar.auth import KeyRing
 from sidecar.calls import Requests, StreamSession
@@ -30,7 +31,6 @@ from sidecar.settings import SidecarSettings
 from sidecar.shedding import Gate
 from sidecar.tls import ServerTls
 from sidecar.unix_socket import UnixSocket, bind_unix_socket, prepare_unix_socket
-from sidecar.wire import API_KEY, RETRY_AFTER_KEY, SERVICE
 
 HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # Reflection v1 (what current grpcurl and IDEs ask first) is v1alpha's protocol under a new package name,

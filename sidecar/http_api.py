@@ -36,6 +36,7 @@ from catalog.filters import merged
 from catalog.fusion import SearchMode, parse_mode
 from inference.errors import EmbedcarError, InvalidInput, Unauthenticated
 from inference.pooling import l2_normalize
+from sidecar.auth import HTTP_KEY
 from sidecar.calls import Requests, SearchArgs, failure
 from sidecar.errors import status
 from sidecar.shedding import HttpGate, Scope
@@ -116,6 +117,8 @@ def parse_embeddings_request(body: bytes) -> EmbeddingsBody:
     _reject_unknown(doc, ALLOWED_FIELDS)
     if "input" not in doc:
         raise InvalidInput("missing field `input` (a string or a list of strings)")
+    if _token_ids(doc["input"]):
+        raise InvalidInput(TOKEN_IDS)
     texts = _input_texts(doc["input"], " (token arrays are not supported)")
     fmt = doc.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
@@ -177,6 +180,20 @@ def _reject_unknown(doc: dict[str, Any], allowed: Collection[str]) -> None:
         # Field names come from the caller: quote a few, shortened, never the whole body.
         shown = ", ".join(repr(name[:40]) for name in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
         raise InvalidInput(f"unknown fields: {shown} (allowed: {', '.join(sorted(allowed))})")
+
+
+# OpenAI's API also takes token ids; ours would be another tokenizer's. LangChain sends them by default.
+TOKEN_IDS = ("`input` holds token ids (token arrays), which this server does not take: it tokenizes the texts "
+             "with its model's own tokenizer, so send strings. LangChain's OpenAIEmbeddings sends token ids "
+             "unless created with check_embedding_ctx_length=False (docs/integrations/python-frameworks.md)")
+
+
+def _token_ids(raw: object) -> bool:
+    """`input` as OpenAI's token-id shapes: a list of integers, or a list of such lists."""
+    def ids(x: object) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    return ids(raw) or (isinstance(raw, list) and bool(raw) and all(ids(x) for x in raw))
 
 
 def _input_texts(raw: object, detail: str = "") -> list[str]:
@@ -292,7 +309,7 @@ def create_app(requests: Requests, *, max_body_bytes: int, serving: Callable[[],
     def keyless(request: Request) -> Response | None:
         """The 401 reply of a request without one of our keys; None for a keyed one (no token taken)."""
         try:
-            service.keys.tenant_for(_api_key(request.headers))
+            service.keys.tenant_for(_api_key(request.headers), how=HTTP_KEY)
         except Unauthenticated as exc:
             return _error(exc)
         return None

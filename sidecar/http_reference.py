@@ -46,6 +46,12 @@ def http_page() -> str:
         "before the body is read. A body is at most `sidecar.max_message_bytes`; a field the table does not "
         "list is refused (400), naming it.",
         "",
+        "OpenAI clients take `http://HOST:8080/v1` as their base URL and the served model's name as `model`. "
+        "LangChain's `OpenAIEmbeddings` also needs `check_embedding_ctx_length=False` (else it sends tiktoken's "
+        "token ids, refused here) and LlamaIndex's `OpenAIEmbedding` `model_name=`: "
+        "[integrations/python-frameworks.md](integrations/python-frameworks.md); search engines: "
+        "[integrations/](integrations/README.md).",
+        "",
         "| method | path | key | what |",
         "|---|---|---|---|",
         *(f"| {m} | `{path}` | {key} | {what} |" for m, path, key, what in ROUTES),

@@ -1,11 +1,11 @@
-"""Build the Java gRPC client (sidecar/java/) from sidecar/proto with Debian's packages; no Maven.
+"""Build the Java gRPC client (sidecar/java/) from client/embedcar_client/proto with Debian's packages; no Maven.
 
 A search engine on the JVM (an Elasticsearch/OpenSearch/Solr plugin, a Vespa component) calls the
 sidecar through `embedcar.client.EmbedcarClient`; `embedcar.client.Example` shows embed, search,
 deadline and API key. The build is three steps, the same by hand:
 
-    protoc -I. --java_out=OUT --plugin=protoc-gen-grpc-java=/usr/bin/grpc_java_plugin \\
-           --grpc-java_out=OUT sidecar/proto/embedcar.proto
+    protoc -Iclient --java_out=OUT --plugin=protoc-gen-grpc-java=/usr/bin/grpc_java_plugin \\
+           --grpc-java_out=OUT client/embedcar_client/proto/embedcar.proto
     javac -d CLASSES -cp "$(python -m sidecar.java_client --classpath)" OUT/embedcar/v1/*.java \\
           sidecar/java/embedcar/client/*.java
     java -cp "CLASSES:$(python -m sidecar.java_client --classpath)" embedcar.client.Example HOST:PORT KEY TEXT...
@@ -25,10 +25,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+import embedcar_client.proto
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SOURCES = sorted((HERE / "java").rglob("*.java"))
-PROTO = HERE / "proto" / "embedcar.proto"
+# The .proto ships in the client's distribution (embedcar-client), checked out or installed; its include
+# root is the one the Python stubs are generated with (embedcar_client/proto/generate.py).
+PROTO = Path(embedcar_client.proto.__file__).resolve().parent / "embedcar.proto"
+PROTO_ROOT = PROTO.parents[2]
 JARS_DIR = Path("/usr/share/java")
 PLUGIN = Path("/usr/bin/grpc_java_plugin")
 BUILD_DIR = Path("var/java-client")
@@ -59,8 +64,8 @@ def java_unavailable_reason() -> str | None:
 
 def _source_hash() -> str:
     h = hashlib.sha256()
-    for path in (PROTO, *SOURCES):
-        h.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    for path, name in ((PROTO, PROTO.relative_to(PROTO_ROOT)), *((p, p.relative_to(ROOT)) for p in SOURCES)):
+        h.update(name.as_posix().encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -77,7 +82,7 @@ def build_java_client(build_dir: Path = BUILD_DIR) -> Path:
     with tempfile.TemporaryDirectory(dir=build_dir) as tmp:
         gen, cls = Path(tmp) / "gen", Path(tmp) / "classes"
         gen.mkdir()
-        _run(["protoc", f"-I{ROOT}", f"--java_out={gen}", f"--plugin=protoc-gen-grpc-java={PLUGIN}",
+        _run(["protoc", f"-I{PROTO_ROOT}", f"--java_out={gen}", f"--plugin=protoc-gen-grpc-java={PLUGIN}",
               f"--grpc-java_out={gen}", str(PROTO)])
         _run(["javac", "-nowarn", "-encoding", "UTF-8", "-d", str(cls), "-cp", classpath(),
               *map(str, sorted(gen.rglob("*.java"))), *map(str, SOURCES)])

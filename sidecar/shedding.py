@@ -27,6 +27,7 @@ from typing import Any
 
 from inference.errors import EmbedcarError, Overloaded, PayloadTooLarge, RequestTimeout
 from sidecar.admission import Admission
+from sidecar.auth import for_http
 from sidecar.metrics import Metrics
 
 Scope = MutableMapping[str, Any]
@@ -105,7 +106,7 @@ class HttpGate:
     """ASGI middleware in front of the POST routes (embeddings, search), cheapest step first:
 
     1. `Gate.refusal` under overload: 429 + Retry-After;
-    2. `check`, the caller's key from the headers: 401;
+    2. `check`, the caller's key from the headers: 401 (a missing key's message names the HTTP headers);
     3. the body, whole within `body_timeout_s` and `max_body_bytes`: 408 / 413;
     4. `Gate.enter`: counted in progress only now, so a caller slow to send its body holds no place;
        out again once its reply starts, so neither does one slow to read it.
@@ -128,7 +129,7 @@ class HttpGate:
             await self.app(scope, receive, send)
             return
         gate = self.gate
-        refused = (gate.refusal() if gate is not None else None) or self._check(scope)
+        refused = (gate.refusal() if gate is not None else None) or self._keyless(scope)
         if refused is None:
             try:
                 body = await self._body(scope, receive)
@@ -167,6 +168,12 @@ class HttpGate:
         finally:
             if held is not None:
                 held.leave()
+
+    def _keyless(self, scope: Scope) -> EmbedcarError | None:
+        """`check`'s refusal in HTTP's words: a missing key names the headers that carry one, not gRPC's
+        metadata (sidecar.auth.for_http)."""
+        refused = self._check(scope)
+        return None if refused is None else for_http(refused)
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
         declared = _header(scope, b"content-length")

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import grpc
 
+from embedcar_client.private_paths import closed_folder_problem
 from inference.errors import InvalidInput, Unavailable
-from inference.private_paths import closed_folder_problem, private_dir_problem
+from inference.private_paths import private_dir_problem
 from inference.settings import data_home
 
 log = logging.getLogger(__name__)

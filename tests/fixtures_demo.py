@@ -23,11 +23,11 @@ from catalog.fusion import SearchMode
 from demo_ui.limits import LIMITS, DemoLimits
 from demo_ui.search import SearchFn
 from demo_ui.server import build_server, create_app
+from embedcar_client.results import SearchHit, SearchResult
 from embedcar_settings import DemoSettings, Settings
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import Embedder
 from inference.tokenizer import QueryTokenizer
-from sidecar.results import SearchHit, SearchResult
 
 if TYPE_CHECKING:
     from catalog.sources import Product
@@ -177,7 +177,7 @@ def build_small_index(settings: Settings, products: list[Product]) -> Path:
 def sidecar_search_fn(target: str) -> SearchFn:
     """A `SidecarSearch` whose client channel is opened lazily in the calling event loop."""
     from demo_ui.search import SidecarSearch
-    from sidecar.client import AsyncClient
+    from embedcar_client.client import AsyncClient
 
     class _Lazy:
         def __init__(self) -> None:

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
+from embedcar_client.client import Client
 from embedcar_settings import Settings
 from inference.backends.base import Backend, Embeddings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import DeadlineExceeded, EmbedcarError, Unavailable
 from inference.tokenizer import TokenBatch
 from sidecar.app import Sidecar, SidecarThread
-from sidecar.client import Client
 
 
 def sidecar_settings(settings: Settings, **changes: Any) -> Settings:

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from embedcar_client.client import Client
 from embedcar_settings import Settings
 from sidecar.app import SidecarThread
-from sidecar.client import Client
 from tests.fixtures_sidecar import sidecar_settings
 
 KEY = "sk-engine-" + "5e4c" * 8

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from embedcar_client.client import Client
 from loadtest.bench.floor import floor_process
 from loadtest.bench.sidecar import bench_hits_alternating
-from sidecar.client import Client
 
 
 def test_floor_server_answers_embed_with_a_fixed_unit_vector() -> None:

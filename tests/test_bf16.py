@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from embedcar_client.client import Client
 from embedcar_settings import Settings
 from inference import runtimes
 from inference.backends.onnx import OnnxBackend
@@ -20,7 +21,6 @@ from inference.manifest import Manifest, Variant
 from inference.prepare import prepare_model
 from loadtest.bench import model_report
 from sidecar.app import SidecarThread
-from sidecar.client import Client
 from tests.fixtures_models import st_reference, tiny_st_folder
 from tests.fixtures_sidecar import sidecar_settings
 

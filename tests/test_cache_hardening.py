@@ -13,12 +13,12 @@ import httpx
 import numpy as np
 import pytest
 
+from embedcar_client.client import AsyncClient, Client
 from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.auth import KeyRing
 from sidecar.cache import ENTRY_OVERHEAD, KEY_BYTES, EmbeddingCache, Entry
-from sidecar.client import AsyncClient, Client
 from sidecar.metrics import Metrics
 from sidecar.models import ModelSet
 from sidecar.ratelimit import RateLimiter

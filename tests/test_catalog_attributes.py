@@ -25,7 +25,8 @@ TITLES = [
     "Dairy-Free Chocolate Frozen Dessert", "Dairy Free Cheddar Shreds", "Neapolitan Ice Cream Sandwich",
     "Mini Ice Cream Sandwiches Dairy Dessert", "Gluten Free Pasta Penne", "Penne Pasta", "Gluten Free Bread",
     "Gluten-Free Crackers", "Low Sodium Chicken Soup", "Chicken Noodle Soup", "Low Fat Sodium Rich Soup",
-    "Low Sodium Broth", "Low Sodium Soy Sauce", "Unsweetened Almond Milk", "Sweetened Almond Milk", "Sweetened Condensed Milk",
+    "Low Sodium Broth", "Low Sodium Soy Sauce", "Unsweetened Almond Milk", "Sweetened Almond Milk",
+    "Sweetened Condensed Milk",
     "Non GMO Tortilla Chips", "Non GMO Corn", "Non GMO Popcorn", "Sugar Free Gum", "Sugar Free Syrup",
     "Sugar Free Candy", "Cane Sugar",
 ]

@@ -203,8 +203,8 @@ def test_a_merge_is_checked_and_keeps_its_shards_until_forced(
 def test_a_sidecar_serving_the_root_never_swaps_to_a_held_version(
         settings: Settings, tmp_path: Path, onnx_backend: OnnxBackend, titles: list[str],
         caplog: pytest.LogCaptureFixture) -> None:
+    from embedcar_client.client import Client
     from sidecar.app import SidecarThread
-    from sidecar.client import Client
     from tests.fixtures_sidecar import sidecar_settings
     from tests.test_sidecar_reliability import wait_for
 

@@ -178,8 +178,8 @@ def test_filters_return_only_matching_products(s: Settings, kind: str, exact_sub
     rows = np.array([i for i in range(3000) if i % 3 == 2 and i % 7 == 2])
     best = rows[np.argmax(x[rows] @ x[0])]
     assert both[0][0].id == f"p{best}"
-    with pytest.raises(InvalidInput, match="no product in index version .* has aisle 'aisle 9'; did you mean "
-                       "'aisle [0-6]'"):
+    with pytest.raises(InvalidInput, match=r"no product in index version .* has aisle 'aisle 9'; did you mean "
+                       r"'aisle [0-6]'"):
         idx.search(x[:2], k=3, aisle="aisle 9")
     assert idx.search(x[:2], k=3, filters={"Department": "snacks", "aisle": "aisle 2"})[0][0].id == f"p{best}"
 

@@ -64,7 +64,7 @@ def idx(s: Settings) -> ProductIndex:
 
 
 def titles(index: ProductIndex, text: str, k: int = 10, **filters: str) -> list[str]:
-    hits, _ = index.query([text], None, k, mode=SearchMode.LEXICAL, **filters)
+    hits, _ = index.query([text], None, k, mode=SearchMode.LEXICAL, filters=filters)
     return [h.fields["title"] for h in hits[0]]
 
 
@@ -115,7 +115,7 @@ def test_filters_are_exact_case_insensitive_terms_on_both_fields(idx: ProductInd
     # never answered with an empty shelf.
     with pytest.raises(InvalidInput, match="has aisle 'candy'; did you mean 'candy chocolate'"):
         titles(idx, "choc", aisle="candy")
-    with pytest.raises(InvalidInput, match="no product in index version .* has department 'no such department'"):
+    with pytest.raises(InvalidInput, match=r"no product in index version .* has department 'no such department'"):
         titles(idx, "bananas", department="no such department")
     with pytest.raises(InvalidInput, match="has no filter field 'brand'; its filter fields: department, aisle"):
         idx.query(["milk"], None, 5, mode=SearchMode.LEXICAL, filters={"brand": "acme"})

@@ -195,8 +195,8 @@ def test_two_tritons_two_sidecars_one_killed_mid_job(
     """The scale topology on loopback: the Ray job and two sidecars spread over two Triton URLs; one
     Triton is killed after the job's first chunk: the job completes with the same vectors as a build
     on the survivor alone, and both sidecars keep answering (from the pool, fallback off)."""
+    from embedcar_client.client import Client
     from sidecar.app import SidecarThread
-    from sidecar.client import Client
     from tests.test_sidecar_triton import MissLoad, triton_sidecar_settings
 
     victim, survivor = own_triton, triton_server

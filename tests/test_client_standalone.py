@@ -1,6 +1,7 @@
-"""sidecar.client is a client: importing it loads the stubs, the wire constants, the error types and
-its result types, not the server (pipeline, batcher, backends, catalog), so a search node can use it
-with the core dependencies alone."""
+"""embedcar_client.client is a client: importing it loads the stubs, the wire constants, the error types
+and its result types from its own distribution (embedcar-client, client/), no module of the server's
+packages, so a search node can use it with grpcio, protobuf and numpy alone (tests/test_client_package.py
+installs it alone). The server depends on it: the same classes and the one copy of the stubs."""
 
 from __future__ import annotations
 
@@ -10,16 +11,18 @@ import sys
 
 import pytest
 
+import embedcar_client.errors
+import inference.errors
 from catalog.fusion import SearchMode
+from embedcar_client import client
+from embedcar_client.proto import embedcar_pb2 as pb
+from embedcar_client.wire import SERVICE
 from inference.errors import InvalidInput
-from sidecar import client
-from sidecar.proto import embedcar_pb2 as pb
 from sidecar.timings import STAGES
 
 PROJECT = ("inference", "catalog", "sidecar", "demo_ui", "loadtest", "embedcar_settings", "embedcar_docs")
-MAX_MODULES = 12
-SERVER = ("sidecar.grpc_server", "sidecar.listeners", "sidecar.pipeline", "sidecar.batcher", "sidecar.service",
-          "sidecar.app", "sidecar.timings", "inference.backends", "catalog")
+CLIENT = "embedcar_client"
+MAX_MODULES = 10
 # grpc imports grpc_tools, grpc_health and grpc_reflection where they are installed (its optional
 # `grpc.tools`, `grpc.health` aliases); typing_extensions is grpcio's; cython_runtime is built in.
 THIRD_PARTY = {"grpc", "google", "numpy", "typing_extensions", "grpc_tools", "grpc_health", "grpc_reflection",
@@ -27,17 +30,24 @@ THIRD_PARTY = {"grpc", "google", "numpy", "typing_extensions", "grpc_tools", "gr
 
 
 def test_importing_the_client_loads_no_server_module() -> None:
-    code = "import json, sys; import sidecar.client; print(json.dumps(sorted(sys.modules)))"
+    code = "import json, sys; import embedcar_client.client; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     modules: list[str] = json.loads(out.stdout)
-    loaded = [m for m in modules if m.split(".")[0] in PROJECT]
-    assert len(loaded) <= MAX_MODULES, loaded
-    server = [m for m in loaded if any(m == s or m.startswith(s + ".") for s in SERVER)]
-    assert not server, server
-    # Third-party: grpcio, protobuf and numpy, what docs/sidecar.md tells a search node to install.
-    tops = {m.split(".")[0] for m in modules} - set(sys.stdlib_module_names) - set(PROJECT)
+    assert not [m for m in modules if m.split(".")[0] in PROJECT]
+    assert len([m for m in modules if m.split(".")[0] == CLIENT]) <= MAX_MODULES, modules
+    # Third-party: grpcio, protobuf and numpy, what the client's pyproject depends on.
+    tops = {m.split(".")[0] for m in modules} - set(sys.stdlib_module_names) - {CLIENT}
     assert {t for t in tops if not t.startswith("_")} <= THIRD_PARTY, tops
     assert all(m.startswith(("google.protobuf", "google._upb")) for m in modules if m.startswith("google.")), modules
+
+
+def test_the_server_uses_the_clients_errors_and_stubs() -> None:
+    """inference.errors re-exports the client's classes (one hierarchy, one code table), and the stubs are
+    registered once, under the client's path, for the service name callers dial."""
+    assert inference.errors.InvalidInput is embedcar_client.errors.InvalidInput
+    assert inference.errors.ERROR_CODES is embedcar_client.errors.ERROR_CODES
+    assert pb.DESCRIPTOR.name == "embedcar_client/proto/embedcar.proto"
+    assert SERVICE == "embedcar.v1.Embedder"
 
 
 def test_its_names_match_the_servers() -> None:

@@ -11,11 +11,11 @@ import pytest
 
 from catalog.completion import MIN_PREFIX_CHARS, WHOLE_WORD_RATIO, Completer
 from catalog.index import ProductIndex
+from embedcar_client.client import Client
 from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.tokenizer import QueryTokenizer
 from sidecar.app import SidecarThread
-from sidecar.client import Client
 from tests.fixtures_sidecar import sidecar_settings
 from tests.test_catalog_lexical import MODEL, TITLES, catalog
 from tests.test_catalog_lexical import publish as publish_synthetic

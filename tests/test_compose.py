@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -20,6 +21,9 @@ from inference.triton.tls import LOCKED_FLAGS, restricted_flags
 # PyYAML arrives with uvicorn[standard]; imported untyped so the check holds with or without its stubs.
 yaml: Any = importlib.import_module("yaml")
 ROOT = Path(__file__).resolve().parent.parent
+# A standard-library-only run from the checkout finds the client's package as Triton's container does, beside
+# inference/ (its mount /opt/embedcar/embedcar_client): here in client/.
+CLIENT_BESIDE = {**os.environ, "PYTHONPATH": str(ROOT / "client")}
 DEFAULTS = Settings.load(environ={})
 
 
@@ -165,7 +169,7 @@ def test_no_key_is_on_a_command_line(compose: dict[str, Any], tmp_path: Path) ->
             assert all(w.startswith("--secret-file=") for w in words if key_file in w), (name, key_file)
     # And the launcher refuses to run where a placeholder has no file: nothing goes out unfilled.
     proc = subprocess.run([sys.executable, "-S", "-m", "inference.triton.argv_secrets", "--", *program],
-                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+                          capture_output=True, text=True, cwd=ROOT, timeout=60, env=CLIENT_BESIDE)
     assert proc.returncode == 2 and "only 0 --secret-file given" in proc.stderr, proc.stderr
 
 
@@ -207,6 +211,7 @@ def test_repo_service_writes_the_gpu_repository(compose: dict[str, Any]) -> None
     assert repo and t_vol[repo.group(1)] == vol_of[out]
     project_root = cmd[cmd.index("--project-root") + 1]
     assert f"{project_root}/inference" in t_vol
+    assert t_vol[f"{project_root}/embedcar_client"] == "./client/embedcar_client"  # what inference.errors imports
     # The repository is complete (engine installed) before Triton starts: repo -> engine -> triton.
     assert compose["services"]["triton-engine"]["depends_on"]["triton-repo"]["condition"] == \
         "service_completed_successfully"
@@ -262,7 +267,7 @@ def test_bind_mount_sources_are_project_folders(compose: dict[str, Any]) -> None
         for v in svc.get("volumes", []):
             src = _unset(v).split(":")[0]
             if src.startswith("./"):
-                assert src.split("/")[1] in {"models", "indexes", "inference", "var"}, src
+                assert src.split("/")[1] in {"models", "indexes", "inference", "client", "var"}, src
 
 
 def test_entrypoint_script_is_stdlib_only() -> None:

@@ -26,10 +26,10 @@ from catalog.fusion import SearchMode
 from demo_ui.search import aisle_agreement
 from demo_ui.server import build_server, create_app
 from demo_ui.stack import Prepared, prepare, serve
+from embedcar_client.results import SearchHit, SearchResult
 from embedcar_settings import DemoSettings, Settings
 from inference.errors import FailedPrecondition, ModelError, Unavailable
 from inference.prepare import prepare_model
-from sidecar.results import SearchHit, SearchResult
 from tests.fixtures_demo import build_small_index, grocery_sample
 from tests.fixtures_models import tiny_st_folder
 

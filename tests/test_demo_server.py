@@ -18,9 +18,9 @@ from websockets.exceptions import ConnectionClosed
 from catalog.fusion import SearchMode
 from demo_ui.limits import LIMITS, DemoLimits
 from demo_ui.server import parse_message
+from embedcar_client.results import SearchResult
 from embedcar_settings import DemoSettings
 from inference.errors import InvalidInput, Unavailable
-from sidecar.results import SearchResult
 from tests.fixtures_demo import GatedSearch, InProcessSearch, inprocess_search, running_demo
 
 __all__ = ["inprocess_search"]  # fixture imported for pytest
@@ -42,7 +42,7 @@ async def test_round_trip_returns_products_and_timings(inprocess_search: InProce
         assert reply["text"] == "greek yogurt"
         assert len(reply["results"]) == LIMITS.results
         top = reply["results"][0]
-        assert set(top) == {"title", "aisle", "department", "score", "legs"} and top["legs"] == ["semantic"]
+        assert set(top) == {"title", "aisle", "department", "score", "legs", "matched"} and top["legs"] == ["semantic"]
         assert reply["mode"] == "hybrid"  # the page's default mode
         assert "yogurt" in top["title"].lower()
         assert top["aisle"] and top["department"]

@@ -49,7 +49,7 @@ async def test_websocket_round_trip_through_the_sidecar(sidecar_search_target: s
 
 async def test_in_process_search_equals_the_grpc_search(sidecar_search_target: str) -> None:
     """`embedcar demo` calls its own sidecar's service directly: the same products as over gRPC."""
-    from sidecar.client import AsyncClient
+    from embedcar_client.client import AsyncClient
 
     thread = _SHARED["thread"]
     direct = ServiceSearch(thread.sidecar.service)
@@ -64,7 +64,7 @@ async def test_in_process_search_equals_the_grpc_search(sidecar_search_target: s
 
 
 async def test_sidecar_down_is_an_error_message_not_a_crash(unused_tcp_port: int) -> None:
-    from sidecar.client import AsyncClient
+    from embedcar_client.client import AsyncClient
 
     async with AsyncClient(f"127.0.0.1:{unused_tcp_port}") as client, \
             running_demo(SidecarSearch(client)) as addr, connect(f"ws://{addr}/ws") as ws:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from embedcar_client.client import Client, check_unix_target
 from inference import native_cache
 from inference.cli_main import report
 from inference.errors import InvalidInput, ModelError, Unavailable
@@ -28,7 +29,6 @@ from inference.files import sha256_file
 from inference.triton import argv_secrets
 from loadtest import native_build
 from sidecar.auth import MIN_KEY_CHARS, KeyRing, parse_keys_file
-from sidecar.client import Client, check_unix_target
 from sidecar.settings import SidecarSettings
 from sidecar.unix_socket import UDS_MODE, prepare_unix_socket, private_socket_dir, restrict_unix_socket
 from tests.components import require_native
@@ -375,8 +375,8 @@ def test_secrets_reach_the_program_but_not_its_command_line(tmp_path: Path, fres
 
 def _launch(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
     """`python -m inference.triton.argv_secrets ARGS` as docker-compose.yml runs it: standard library only
-    (-S: no site-packages), the shim built into `cache`."""
-    env = {"PATH": os.environ["PATH"], "XDG_CACHE_HOME": str(cache)}
+    (-S: no site-packages; the client's package beside, as its mount puts it), the shim built into `cache`."""
+    env = {"PATH": os.environ["PATH"], "XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(ROOT / "client")}
     return subprocess.run([sys.executable, "-S", "-m", "inference.triton.argv_secrets", *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=False)
 

@@ -31,10 +31,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 from hyperframe.frame import DataFrame
 
+from embedcar_client.proto import embedcar_pb2 as pb
+from embedcar_client.proto import embedcar_pb2_grpc
+from embedcar_client.wire import API_KEY
 from inference.ports import free_port
-from sidecar.proto import embedcar_pb2 as pb
-from sidecar.proto import embedcar_pb2_grpc
-from sidecar.wire import API_KEY
 from tests.conftest import ROOT
 from tests.h2_client import (
     CANCEL,

@@ -21,12 +21,12 @@ from typing import Any
 import httpx
 import pytest
 
+from embedcar_client.client import Client
 from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from sidecar import http_protocol
 from sidecar.admission import Admission
 from sidecar.app import Sidecar, SidecarThread
-from sidecar.client import Client
 from sidecar.metrics import Metrics
 from sidecar.shedding import FRONT_SHARE, Gate
 from tests.conftest import ROOT

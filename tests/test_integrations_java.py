@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from embedcar_client.client import Client
 from embedcar_settings import Settings
-from sidecar.client import Client
 from sidecar.java_client import build_java_client, java_command, java_unavailable_reason
 from tests.integrations_common import KEY, TITLES, EngineSidecar, engine_sidecar
 from tests.test_integrations_engines import langchain4j_parse, langchain4j_request

@@ -14,6 +14,7 @@ import pytest
 
 from catalog.settings import CatalogSettings
 from catalog.settings import Settings as CatalogAppSettings
+from embedcar_client.client import Client
 from embedcar_settings import Settings as SidecarAppSettings
 from inference.cli_main import build_parser
 from inference.manifest import Manifest, load_manifest, verify_files
@@ -27,7 +28,6 @@ from loadtest.bench.model_report import (
 )
 from loadtest.bench.model_verdict import Rule, check_shape, choose_default, finish, int8_flags, markdown, verdict
 from sidecar.app import SidecarThread
-from sidecar.client import Client
 from tests.fixtures_models import tiny_st_folder
 from tests.fixtures_sidecar import sidecar_settings
 

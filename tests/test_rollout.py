@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from embedcar_client.client import Client
 from embedcar_settings import Settings
 from inference.errors import EmbedcarError
 from inference.manifest import load_manifest
 from inference.triton.launcher import TritonServer
 from sidecar.app import Sidecar, SidecarThread
-from sidecar.client import Client
 from tests.components import require_triton
 from tests.conftest import ROOT
 from tests.fixtures_models import tiny_st_folder

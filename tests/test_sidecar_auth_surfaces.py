@@ -9,6 +9,7 @@ suite's `auth` scenario); health stays open. Every log record of the run is capt
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,3 +101,50 @@ def test_http_search_needs_the_key(keyed: tuple[Sidecar, str]) -> None:
     assert httpx.post(url, json=body, headers={"authorization": f"Bearer {WRONG}"}, timeout=30).status_code == 401
     ok = httpx.post(url, json=body, headers={"x-api-key": KEY}, timeout=30)
     assert ok.status_code == 200 and ok.json()["data"][0]["hits"]
+
+
+def test_a_missing_key_is_named_in_each_transports_words(keyed: tuple[Sidecar, str]) -> None:
+    """gRPC names its metadata; HTTP its headers (Authorization: Bearer, x-api-key), never gRPC's metadata;
+    the demo's websocket the page's ?api_key= too. A wrong key is "wrong API key" everywhere."""
+    import grpc
+    import httpx
+    from websockets.sync.client import connect
+
+    from embedcar_client.proto import embedcar_pb2 as pb
+    from embedcar_client.wire import API_KEY, SERVICE
+
+    car, ws_url = keyed
+    embed = pb.EmbedRequest(texts=["oat milk"]).SerializeToString()
+    with grpc.insecure_channel(car.grpc_target) as channel:
+        for key in (None, WRONG):
+            with pytest.raises(grpc.RpcError) as got:
+                channel.unary_unary(f"/{SERVICE}/Embed")(embed, timeout=30,
+                                                         metadata=((API_KEY, key),) if key else None)
+            assert got.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert got.value.details() == ("missing API key (send metadata x-api-key)" if key is None
+                                           else "wrong API key")
+
+    base = f"http://127.0.0.1:{car.http_port}"
+    for path, body in (("/v1/embeddings", {"input": "oat milk"}), ("/v1/search", {"input": "oat", "k": 3})):
+        missing = httpx.post(base + path, json=body, timeout=30)
+        assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+        message = missing.json()["error"]["message"]
+        assert message == "missing API key (send header Authorization: Bearer <key>, or x-api-key: <key>)", path
+        assert "metadata" not in message
+        wrong = httpx.post(base + path, json=body, headers={"authorization": f"Bearer {WRONG}"}, timeout=30)
+        assert wrong.status_code == 401 and wrong.json()["error"]["message"] == "wrong API key"
+
+    with connect(ws_url, proxy=None, open_timeout=30) as ws:
+        error = json.loads(ws.recv(timeout=30))["error"]
+    assert error["code"] == "unauthenticated" and "?api_key=<key>" in error["message"], error
+    assert "metadata" not in error["message"]
+
+
+def test_a_missing_key_on_keyed_gets_names_the_http_headers(keyed: tuple[Sidecar, str]) -> None:
+    import httpx
+
+    car, _ws = keyed
+    for path in ("/v1/models", "/metrics"):
+        missing = httpx.get(f"http://127.0.0.1:{car.http_port}{path}", timeout=30)
+        assert missing.status_code == 401
+        assert "Authorization: Bearer" in missing.json()["error"]["message"], path

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from embedcar_client.client import Client
+from embedcar_client.proto import embedcar_pb2 as pb
 from inference.errors import InvalidInput
 from sidecar.app import Sidecar
-from sidecar.client import Client
-from sidecar.proto import embedcar_pb2 as pb
 
 
 @pytest.fixture(autouse=True)
@@ -39,7 +39,7 @@ def test_grpc_rejects_bad_search_k(sidecar_client: Client) -> None:
 
 def raw_embed(client: Client, payload: bytes, *, timeout_s: float | None = None) -> bytes:
     """Pre-serialised request bytes to Embed, as a client with another proto (or none) sends them."""
-    from sidecar.client import EMBED, RPC_ERRORS
+    from embedcar_client.client import EMBED, RPC_ERRORS
 
     call = client._channel.unary_unary(EMBED)
     with RPC_ERRORS:

@@ -13,15 +13,15 @@ import grpc
 import httpx
 import pytest
 
+from embedcar_client.client import AsyncClient, Client
+from embedcar_client.wire import SERVICE
 from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import Internal, InvalidInput
 from sidecar import calls
 from sidecar.app import Sidecar, SidecarThread
 from sidecar.calls import failure
-from sidecar.client import AsyncClient, Client
 from sidecar.metrics import Metrics
-from sidecar.wire import SERVICE
 from tests.fixtures_sidecar import sidecar_settings
 
 KEY = "calls-key-1f2e3d4c5b6a"

@@ -11,12 +11,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from embedcar_client.client import Client
 from embedcar_settings import Settings
 from inference.errors import Unavailable
 from inference.ports import free_port
 from sidecar.allocator import library
 from sidecar.app import SidecarThread
-from sidecar.client import Client
 from sidecar.cpu_slice import get_slice_ns
 from tests.conftest import ROOT
 from tests.fixtures_sidecar import ProbeBackend, sidecar_settings

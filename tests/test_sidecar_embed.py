@@ -13,13 +13,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from embedcar_client.client import AsyncClient, Client, EmbedResult
 from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import Embedder
 from inference.errors import DeadlineExceeded, Internal, Unavailable
 from inference.tokenizer import QueryTokenizer
 from sidecar.app import Sidecar, SidecarThread
-from sidecar.client import AsyncClient, Client, EmbedResult
 from sidecar.http_api import EMBEDDINGS_REPLY
 from tests.fixtures_sidecar import ProbeBackend, sidecar_settings, until
 

@@ -17,13 +17,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from embedcar_client.client import AsyncClient, Client
+from embedcar_client.proto import embedcar_pb2 as pb
+from embedcar_client.wire import SERVICE
 from embedcar_settings import Settings
 from inference.errors import Unavailable
 from sidecar import calls, grpc_server
 from sidecar.app import SidecarThread
-from sidecar.client import AsyncClient, Client
-from sidecar.proto import embedcar_pb2 as pb
-from sidecar.wire import SERVICE
 from tests.fixtures_sidecar import ProbeBackend, sidecar_settings, until
 
 STREAM = f"/{SERVICE}/Stream"

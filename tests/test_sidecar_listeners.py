@@ -24,10 +24,10 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from embedcar_client.client import Client
 from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from sidecar.app import Sidecar, SidecarThread
-from sidecar.client import Client
 from sidecar.listeners import RESERVED_FILES, ConnectionCaps, Listener, ListenerCheck, answers, connection_caps
 from tests.conftest import ROOT
 from tests.fixtures_sidecar import sidecar_settings

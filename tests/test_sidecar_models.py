@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from embedcar_client.client import AsyncClient, Client
 from embedcar_settings import Settings
 from inference.backends.factory import make_backend
 from inference.embedder import Embedder, load_tokenizer
@@ -22,7 +23,6 @@ from inference.errors import FailedPrecondition, InvalidInput
 from inference.manifest import Manifest, load_manifest
 from inference.prepare import prepare_model
 from sidecar.app import Sidecar, SidecarThread
-from sidecar.client import AsyncClient, Client
 from sidecar.models import model_settings
 from tests.fixtures_models import tiny_st_folder
 from tests.fixtures_sidecar import sidecar_settings

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from embedcar_client.client import AsyncClient, Client
 from embedcar_settings import Settings
 from inference.backends.base import Embeddings
 from inference.backends.onnx import OnnxBackend
@@ -25,7 +26,6 @@ from inference.errors import DeadlineExceeded, InvalidInput, Overloaded, Unauthe
 from inference.tokenizer import TokenBatch
 from sidecar import models
 from sidecar.app import Sidecar, SidecarThread
-from sidecar.client import AsyncClient, Client
 from sidecar.scheduler import DirectScheduler
 from tests.fixtures_sidecar import DirectProbeBackend, ProbeBackend, sidecar_settings, until
 

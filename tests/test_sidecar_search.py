@@ -17,15 +17,15 @@ from catalog import store
 from catalog.lexical import LEXICAL_DIR
 from catalog.publish import publish_index
 from catalog.sources import Product
+from embedcar_client.client import Client
+from embedcar_client.proto import embedcar_pb2 as pb
 from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import Embedder
 from inference.errors import FailedPrecondition, InvalidInput, Unavailable
 from inference.tokenizer import QueryTokenizer
 from sidecar.app import Sidecar, SidecarThread
-from sidecar.client import Client
 from sidecar.http_api import SEARCH_REPLY
-from sidecar.proto import embedcar_pb2 as pb
 from tests.fixtures_sidecar import sidecar_settings
 from tests.test_sidecar_reliability import wait_for
 
@@ -183,7 +183,7 @@ def test_filters_on_any_field_and_their_mistakes_over_grpc_stream_and_http(searc
             c.search(["pizza"], department="frozen", filters={"department": "produce"})
 
         async def streamed() -> None:
-            from sidecar.client import AsyncClient
+            from embedcar_client.client import AsyncClient
 
             async with AsyncClient(search_sidecar.grpc_target, stream=True) as ac:
                 with pytest.raises(InvalidInput, match="did you mean 'frozen'"):

@@ -17,15 +17,15 @@ import grpc
 import httpx
 import pytest
 
+from embedcar_client.client import Client, map_rpc_error
+from embedcar_client.proto import embedcar_pb2 as pb
+from embedcar_client.wire import RETRY_AFTER_KEY
 from embedcar_settings import Settings
 from inference.errors import DeadlineExceeded, Overloaded, Shed
 from sidecar.admission import Admission, Ticket
 from sidecar.app import Sidecar, SidecarThread
-from sidecar.client import Client, map_rpc_error
 from sidecar.metrics import Metrics
-from sidecar.proto import embedcar_pb2 as pb
 from sidecar.shedding import Gate
-from sidecar.wire import RETRY_AFTER_KEY
 from tests.fixtures_sidecar import ProbeBackend, sidecar_settings
 
 

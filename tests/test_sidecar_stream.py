@@ -15,12 +15,12 @@ import grpc
 import numpy as np
 import pytest
 
+from embedcar_client.client import AsyncClient, Client
+from embedcar_client.proto import embedcar_pb2 as pb
+from embedcar_client.wire import SERVICE
 from embedcar_settings import Settings
 from inference.errors import DeadlineExceeded, InvalidInput, Unavailable
 from sidecar.app import Sidecar, SidecarThread
-from sidecar.client import AsyncClient, Client
-from sidecar.proto import embedcar_pb2 as pb
-from sidecar.wire import SERVICE
 from tests.fixtures_sidecar import ProbeBackend, sidecar_settings
 
 QUERIES = ["oat milk", "greek yogurt plain", "gluten free bread", "dark chocolate 70%", "baby spinach",

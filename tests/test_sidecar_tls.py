@@ -13,12 +13,12 @@ import httpx
 import pytest
 
 from demo_ui.server import build_server
+from embedcar_client.client import Client, ClientTls
 from embedcar_settings import DemoSettings, Settings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import FailedPrecondition, Unavailable
 from inference.triton.certs import PoolFiles, make_pool_certs
 from sidecar.app import Sidecar, SidecarThread
-from sidecar.client import Client, ClientTls
 from sidecar.tls import server_tls
 from tests.fixtures_sidecar import sidecar_settings
 

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
+from embedcar_client.client import Client
 from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import DeadlineExceeded, EmbedcarError, FailedPrecondition, Unavailable
 from inference.tokenizer import QueryTokenizer
 from inference.triton.launcher import TritonServer
 from sidecar.app import SidecarThread
-from sidecar.client import Client
 from tests.fixtures_sidecar import sidecar_settings
 from tests.test_sidecar_embed import reference, texts_for_every_bucket
 from tests.test_sidecar_reliability import health, wait_for

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
+from embedcar_client.client import AsyncClient, Client
 from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import InvalidInput, Unauthenticated, Unavailable
 from sidecar.app import SidecarThread
-from sidecar.client import AsyncClient, Client
 from tests.fixtures_sidecar import sidecar_settings
 from tests.test_sidecar_reliability import health
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from embedcar_client.client import from_grpc
+from embedcar_client.proto.generate import GENERATED, PROTO_DIR, generate
 from embedcar_settings import Settings
 from inference.errors import (
     ERROR_CODES,
@@ -28,9 +30,8 @@ from inference.errors import (
 )
 from sidecar.admission import Admission
 from sidecar.auth import ANONYMOUS, KeyRing, check_bind, parse_keys_file
-from sidecar.errors import from_grpc, status
+from sidecar.errors import status
 from sidecar.http_api import EmbeddingsBody, parse_embeddings_request
-from sidecar.proto.generate import GENERATED, PROTO_DIR, generate
 from sidecar.ratelimit import RateLimiter
 from sidecar.settings import SidecarSettings
 
@@ -41,7 +42,7 @@ def test_committed_generated_code_matches_the_proto() -> None:
         fresh = generate(Path(tmp))
     for name in GENERATED:
         assert (PROTO_DIR / name).read_bytes() == fresh[name], (
-            f"sidecar/proto/{name} is stale: run `python -m sidecar.proto.generate`")
+            f"embedcar_client/proto/{name} is stale: run `python -m embedcar_client.proto.generate`")
 
 
 # --- auth -------------------------------------------------------------------------------------
@@ -260,7 +261,7 @@ def test_admission_calibration_splits_fixed_and_per_token_cost() -> None:
 
 
 def test_one_list_of_stages_for_pipeline_metrics_client_and_proto() -> None:
-    from sidecar.proto import embedcar_pb2 as pb
+    from embedcar_client.proto import embedcar_pb2 as pb
     from sidecar.timings import STAGES, Timings
 
     assert tuple(f.name for f in pb.Timings.DESCRIPTOR.fields) == STAGES

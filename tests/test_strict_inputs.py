@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
+from embedcar_client.client import AsyncClient, Client
 from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.errors import EmbedcarError, InvalidInput, Unavailable
@@ -25,7 +26,6 @@ from inference.settings import range_text
 from inference.tokenizer import QueryTokenizer
 from sidecar import app
 from sidecar.app import Sidecar, SidecarThread
-from sidecar.client import AsyncClient, Client
 from sidecar.settings import Settings as SidecarAppSettings
 from tests.conftest import ROOT
 from tests.fixtures_sidecar import sidecar_settings

@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 
 import inference.text as text_mod
+from embedcar_client.client import Client
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import Embedder
 from inference.errors import InvalidInput
 from inference.text import MAX_MARK_RUN, NFKC_MAX_GROWTH, NON_STARTERS, normalize, normalize_texts
 from inference.tokenizer import QueryTokenizer
 from sidecar.app import Sidecar
-from sidecar.client import Client
 from sidecar.pipeline import MAX_REQUEST_CHARS, NORMALIZE_ON_LOOP_CHARS
 
 _SPACE = re.compile(r"\s+")

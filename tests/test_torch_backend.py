@@ -152,8 +152,8 @@ def tiny_settings(bert: Path) -> Iterator[Settings]:
 
 @pytest.mark.slow
 def test_a_sidecar_on_the_torch_backend_answers_as_the_embedded_one(tiny_settings: Settings) -> None:
+    from embedcar_client.client import Client
     from sidecar.app import SidecarThread
-    from sidecar.client import Client
 
     got = {}
     for kind in ("embedded", "torch"):

@@ -28,6 +28,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from embedcar_client.client import Client
 from embedcar_settings import Settings
 from inference.backends.factory import make_backend
 from inference.backends.onnx import OnnxBackend
@@ -47,7 +48,6 @@ from inference.triton.tls import (
     secret_markers,
 )
 from sidecar.app import SidecarThread
-from sidecar.client import Client
 from tests.components import require_triton
 from tests.fixtures_sidecar import sidecar_settings
 

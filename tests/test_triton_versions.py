@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from embedcar_client.client import Client
 from embedcar_settings import Settings
 from inference.backends.onnx import OnnxBackend
 from inference.backends.triton import TritonBackend
@@ -28,7 +29,6 @@ from inference.tokenizer import QueryTokenizer
 from inference.triton.launcher import TritonServer
 from inference.triton.names import served_names
 from sidecar.app import SidecarThread
-from sidecar.client import Client
 from tests.components import require_triton, require_variant
 from tests.fixtures_triton import triton_settings
 from tests.test_sidecar_embed import reference

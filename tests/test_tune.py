@@ -171,10 +171,62 @@ def test_killed_run_resumes_to_the_same_weights(models: Path, catalog: Path) -> 
     resumed = subprocess.run(cmd("killed"), cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming the run" in resumed.stderr
+    # its estimate counts what is left: the steps after the checkpoint, the tuned scoring only (the base's kept)
+    plan = next(line for line in resumed.stderr.splitlines() if line.startswith("this run takes about "))
+    assert "done before" in plan and "tuned model" in plan and "scoring the base" not in plan, plan
     a = load_file(str(models / "whole" / "weights" / "model.safetensors"))
     b = load_file(str(models / "killed" / "weights" / "model.safetensors"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     assert load_manifest(models / "killed").lineage["steps"] == 300
+
+
+def test_minutes_help_says_it_is_training_time_only(capsys: pytest.CaptureFixture[str]) -> None:
+    from inference.cli_main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["model", "tune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps help lines
+    assert "--minutes MINUTES minutes of training: the budget bounds the training alone." in text
+    assert "exporting and checking the tuned model, and --rollout's index build come on top" in text
+    assert "prints its estimate of the whole as it starts" in text
+
+
+def test_a_run_says_its_whole_time_as_it_starts(models: Path, catalog: Path) -> None:
+    said: list[str] = []
+    req = Request(base=BASE, catalog=str(catalog), name="timed", recipe=RECIPE, minutes=0.02, force=True,
+                  progress=False)
+    r = tune(_settings(models), req, say=said.append)
+    plans = [i for i, m in enumerate(said) if m.startswith("this run takes about ")]
+    assert len(plans) == 1, said
+    plan = said[plans[0]]
+    assert "training (the --minutes 0.02 budget, which counts training only)" in plan
+    assert "scoring the base and " in plan and "texts/s measured here" in plan
+    assert "exporting and checking the tuned model's ONNX variants" in plan and "so far (catalog" in plan
+    assert plans[0] < next(i for i, m in enumerate(said) if m.startswith("scoring the base model"))
+    assert said[-2].startswith("timed published after ") and "(estimated about " in said[-2], said[-2]
+    assert r.steps >= 1
+
+
+def test_the_estimate_adds_up_its_phases() -> None:
+    from catalog.tuning.estimate import EXPORT_FIXED_S, EXPORT_S_PER_M_PARAMS, Estimate, duration
+
+    # the grocery run of the report: --minutes 2, MiniLM's 22.7M parameters
+    e = Estimate(so_far_s=40, train_s=120, train_what="the --minutes 2 budget", scorings=2, documents=19_969,
+                 queries=5_816, doc_rate=200, query_rate=800, params=22_700_000)
+    scoring = 2 * (19_969 / 200 + 5_816 / 800)
+    assert e.scoring_s == pytest.approx(scoring)
+    assert e.total_s == pytest.approx(40 + 120 + scoring + EXPORT_FIXED_S + EXPORT_S_PER_M_PARAMS * 22.7)
+    assert e.line().startswith(f"this run takes about {duration(e.total_s)} in all: 40 s so far")
+    assert "19,969 documents and 5,816 query cuts each" in e.line() and "22.7M parameters" in e.line()
+    assert "--rollout" not in e.line()
+    assert "scoring the base and the tuned model on the held-out sets" in e.line()
+    assert "(30,144 parameters)" in dataclasses.replace(e, params=30_144).line()
+    assert "scoring the base and 3 tuned models on" in dataclasses.replace(e, scorings=4).line()
+    assert "scoring the tuned model on" in dataclasses.replace(e, scorings=1, with_base=False).line()
+    with_index = dataclasses.replace(e, rollout_products=49_688)
+    assert with_index.total_s == pytest.approx(e.total_s + 49_688 / 200) and "49,688 products" in with_index.line()
+    assert [duration(s) for s in (5, 89, 90, 600, 5400, 7200)] == ["5 s", "89 s", "1.5 min", "10.0 min", "1.5 h",
+                                                                     "2.0 h"]
 
 
 def test_query_log_pairs_train_and_judged_queries_gate(models: Path, catalog: Path, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from catalog.settings import CatalogSettings
 from catalog.tuning.recipe import LOSSES, Recipe, parse_mix
+from inference.errors import InvalidInput
 from inference.flags import add_flags, flag_overrides
 from inference.settings import ModelSettings
 
@@ -58,7 +59,10 @@ def register(msub: Any) -> None:
     p.add_argument("--judgements", type=Path, default=None, metavar="FILE",
                    help="labelled queries (query + product_id or category per row) the gate also scores, never "
                    "trained on; 'grocery': the demo catalog's shopper queries labelled by aisle")
-    how_long.add_argument("--minutes", type=_positive(float), default=None, help="training time budget")
+    how_long.add_argument("--minutes", type=_positive(float), default=None,
+                          help="minutes of training: the budget bounds the training alone. Scoring base and tuned "
+                               "on the held-out sets, exporting and checking the tuned model, and --rollout's index "
+                               "build come on top; the run prints its estimate of the whole as it starts")
     how_long.add_argument("--steps", type=_positive(int), default=None, help="training steps (batches)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the pairs and training (default 0)")
     p.add_argument("--force", action="store_true", help="publish even if the held-out gate fails (recorded)")
@@ -93,6 +97,9 @@ def register(msub: Any) -> None:
                    help=f"trained-on products held-out known items are searched among (default {_DEFAULT.distractors})")
     r.add_argument("--tolerance", type=float, default=_DEFAULT.tolerance,
                    help=f"how much worse than the base a held-out figure may be (default {_DEFAULT.tolerance:g})")
+    r.add_argument("--mixes", default=",".join(f"{m:g}" for m in _DEFAULT.mixes),
+                   help="shares of the tuning kept, base + a*(tuned - base), each scored on the gate; the best that "
+                   "passes is published (default %(default)s; 1 = the tuned model as trained)")
     p.set_defaults(func=_tune)
 
 
@@ -105,10 +112,18 @@ def _tune(args: argparse.Namespace) -> int:
                     max_seq_length=args.max_seq_length, loss=args.loss, matryoshka=args.matryoshka,
                     hard_negatives=args.hard_negatives, word_negatives=args.word_negatives,
                     freeze_layers=args.freeze_layers,
-                    held_share=args.held_share, distractors=args.distractors, tolerance=args.tolerance)
+                    held_share=args.held_share, distractors=args.distractors, tolerance=args.tolerance,
+                    mixes=_mixes(args.mixes))
     req = Request(base=settings.model.name, catalog=args.catalog, name=args.tuned_name, recipe=recipe,
                   pairs=args.pairs, judgements=args.judgements, minutes=args.minutes, steps=args.steps,
                   seed=args.seed, force=args.force,
                   rollout=args.rollout, id_field=args.id_field, progress=not args.no_progress)
     tune(settings, req, say=lambda m: print(m, file=sys.stderr, flush=True))
     return 0
+
+
+def _mixes(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(m) for m in text.split(",") if m.strip())
+    except ValueError:
+        raise InvalidInput(f"--mixes takes numbers in (0, 1] separated by commas, got {text!r}") from None

@@ -173,6 +173,11 @@ def _noun_queries(s: Split, taxonomy: Sequence[str], max_queries: int, rng: rand
     return QuerySet("noun", queries, relevant) if queries else None
 
 
+def workload(held: HeldOut, cuts: Sequence[int] = CUTS) -> tuple[int, int]:
+    """What `evaluate` encodes for one model: (documents, queries), each query once per cut."""
+    return len(held.documents) + len(held.distractors), sum(len(qs.queries) for qs in held.sets) * len(cuts)
+
+
 def evaluate(encode: Encode, held: HeldOut, cuts: Sequence[int] = CUTS) -> dict[str, dict[str, dict[str, float]]]:
     """{set: {cut: {metric: value, "queries": n}}} for one model."""
     wide = encode(held.documents + held.distractors, "document")

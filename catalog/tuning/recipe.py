@@ -39,6 +39,9 @@ class Recipe:
     max_held: int = 5000
     distractors: int = 10_000  # trained-on products the held-out known items are searched among
     tolerance: float = 0.005  # how much worse than the base a (set, cut, metric) may get
+    # base + a·(tuned − base) for each a, scored on the gate; the best that passes is published
+    # (catalog/tuning/interpolate.py). (1.0,) = the tuned model as trained, or refused.
+    mixes: tuple[float, ...] = (1.0, 0.7, 0.5)
 
     def __post_init__(self) -> None:
         problems = []
@@ -56,6 +59,8 @@ class Recipe:
             problems.append(f"loss {self.loss!r} is not one of {', '.join(LOSSES)}")
         if not 0 < self.held_share < 0.5:
             problems.append(f"held-out share {self.held_share} is not in (0, 0.5)")
+        if not self.mixes or any(not 0 < m <= 1 for m in self.mixes):
+            problems.append(f"mixes {list(self.mixes)} are shares of the tuning kept, in (0, 1]")
         if self.freeze_layers < 0 or self.tolerance < 0 or self.distractors < 0:
             problems.append("frozen layers, tolerance and distractors are >= 0")
         if problems:

@@ -225,6 +225,12 @@ def train(model: Any, loss: Any, data: Any, recipe: Recipe, *, out: Path, max_st
     return Trained(trainer.state.global_step, seconds, callback.loss, callback.stopped)
 
 
+def progress(out: Path) -> tuple[int, float]:
+    """Steps and training seconds done before this run, from the newest checkpoint in `out` (0, 0.0 without)."""
+    last = _last_checkpoint(out) if out.is_dir() else None
+    return (int(last.name.split("-")[-1]) if last is not None else 0), _elapsed(last)
+
+
 def _elapsed(checkpoint: Path | None) -> float:
     if checkpoint is None or not (checkpoint / ELAPSED_FILE).exists():
         return 0.0

@@ -36,7 +36,7 @@ from catalog.judgements import judgements_path, read_judgements
 from catalog.product_table import read_products
 from catalog.settings import Settings
 from catalog.sources import Product, compose_text, read_path
-from catalog.tuning import heldout
+from catalog.tuning import estimate, heldout, interpolate
 from catalog.tuning.catalog_pairs import Pair, add_negatives, catalog_pairs, draw
 from catalog.tuning.query_log import LoggedPair, read_query_log
 from catalog.tuning.recipe import Recipe
@@ -143,29 +143,39 @@ def tune(settings: Settings, req: Request, *, say: Say = print) -> Result:
     where = trainer.device()
     src = base_folder(models_dir, req.base, base_manifest, work / "base")
     model = trainer.load_model(src, recipe, where=where)
+    base_weights = interpolate.snapshot(model)  # to mix with the tuned weights after training
     served_length = model.max_seq_length  # trained shorter (queries are short), scored and served as the base
-    if (work / BASE_FIGURES).is_file():
+    columns = {"anchor": [p.anchor for p in pairs], "positive": [p.positive for p in pairs]}
+    if recipe.hard_negatives:
+        columns["negative"] = [p.negative for p in pairs]
+    loss = trainer.make_loss(model, recipe)
+    rates = estimate.encode_rates(encoder(model), held)
+    if "step_seconds" not in run:  # forward + backward of one batch, weights unchanged
+        model.max_seq_length = recipe.max_seq_length
+        probe = trainer.dataset(columns, batch_size=recipe.batch_size, steps=1, seed=req.seed)
+        run["step_seconds"] = trainer.step_seconds(model, loss, probe, recipe)
+        model.max_seq_length = served_length
+    per_step = float(run["step_seconds"])
+    if "max_steps" not in run:
+        if req.steps is not None:
+            run["max_steps"] = req.steps
+        else:
+            run["max_steps"] = max(1, int(req.minutes * 60 * estimate.PROBE_SHARE / per_step)) if req.minutes else 1
+            say(f"one step takes {per_step:.2f} s here: {run['max_steps']} steps fit {req.minutes:g} minutes")
+        _write_json(work / RUN_FILE, run)
+    max_steps = int(run["max_steps"])
+    base_scored = (work / BASE_FIGURES).is_file()
+    plan = _estimate(req, time.monotonic() - t_start, per_step, max_steps, work, held, rates,
+                     scorings=len(recipe.mixes) + (0 if base_scored else 1),
+                     params=sum(p.numel() for p in model.parameters()), products=len(products))
+    say(plan.line())
+    if base_scored:
         base_figures = json.loads((work / BASE_FIGURES).read_text())
     else:
         say(f"scoring the base model {base_manifest.version_id} on the held-out sets…")
         base_figures = heldout.evaluate(encoder(model), held)
         _write_json(work / BASE_FIGURES, base_figures)
-    columns = {"anchor": [p.anchor for p in pairs], "positive": [p.positive for p in pairs]}
-    if recipe.hard_negatives:
-        columns["negative"] = [p.negative for p in pairs]
-    loss = trainer.make_loss(model, recipe)
     model.max_seq_length = recipe.max_seq_length
-    if "max_steps" not in run:
-        if req.steps is not None:
-            run["max_steps"] = req.steps
-        else:
-            probe = trainer.dataset(columns, batch_size=recipe.batch_size, steps=1, seed=req.seed)
-            per_step = trainer.step_seconds(model, loss, probe, recipe)
-            # 0.8: the probe leaves out the optimizer step and the checkpoints (~10-15 % more here)
-            run["max_steps"] = max(1, int(req.minutes * 60 * 0.8 / per_step)) if req.minutes else 1
-            say(f"one step takes {per_step:.2f} s here: {run['max_steps']} steps fit {req.minutes:g} minutes")
-        _write_json(work / RUN_FILE, run)
-    max_steps = int(run["max_steps"])
     data = trainer.dataset(columns, batch_size=recipe.batch_size, steps=max_steps, seed=req.seed)
     save_steps = max(1, min(max(1, max_steps // 5), 200))
     say(f"tuning {req.base} on {where} for {max_steps} steps (batch {recipe.batch_size}, lr {recipe.learning_rate:g}, "
@@ -176,8 +186,13 @@ def tune(settings: Settings, req: Request, *, say: Say = print) -> Result:
     model.max_seq_length = served_length
     say(f"trained {done.steps} steps in {done.seconds / 60:.1f} min"
         + (" (stopped by the time budget)" if done.stopped_by_budget else ""))
-    tuned_figures = heldout.evaluate(encoder(model), held)
-    misses = heldout.gate(base_figures, tuned_figures, recipe.tolerance)
+    # The tuned weights mixed back toward the base's, each mix scored on the gate: the best that passes
+    chosen, mixes = interpolate.choose(model, base_weights, interpolate.snapshot(model),
+                                       lambda: heldout.evaluate(encoder(model), held),
+                                       lambda figures: heldout.gate(base_figures, figures, recipe.tolerance), say,
+                                       recipe.mixes)
+    tuned_figures, misses = chosen.figures, chosen.misses
+    say(f"mix {chosen.mix:g} kept (base + {chosen.mix:g}·tuning):")
     say(heldout.table(base_figures, tuned_figures))
     if misses and not req.force:
         _remove_work(work)
@@ -196,6 +211,8 @@ def tune(settings: Settings, req: Request, *, say: Say = print) -> Result:
         "seed": req.seed, "steps": done.steps, "max_steps": max_steps, "train_seconds": round(done.seconds, 1),
         "stopped_by_budget": done.stopped_by_budget, "device": where, "libraries": _libraries(),
         "held_out": {"base": base_figures, "tuned": tuned_figures, "tolerance": recipe.tolerance},
+        "mix": chosen.mix, "mixes": {f"{m.mix:g}": {"mean_ndcg_at_10": round(interpolate.mean_ndcg(m.figures), 4),
+                                                    "gate_misses": len(m.misses)} for m in mixes},
         "gate": "passed" if not misses else "forced past: " + "; ".join(misses)}
     with tempfile.TemporaryDirectory(dir=work, prefix="tuned.") as tmp:
         folder = Path(tmp) / req.name
@@ -206,9 +223,33 @@ def tune(settings: Settings, req: Request, *, say: Say = print) -> Result:
     version = None
     if req.rollout is not None:
         version = rollout(settings, req, say=say)
-    else:
+    say(f"{req.name} published after {estimate.duration(time.monotonic() - t_start)} in all (estimated about "
+        f"{estimate.duration(plan.total_s)})")
+    if req.rollout is None:
         say(next_steps(settings, req))
     return Result(manifest, base_figures, tuned_figures, misses, time.monotonic() - t_start, done.steps, version)
+
+
+def _estimate(req: Request, so_far_s: float, per_step: float, max_steps: int, work: Path, held: heldout.HeldOut,
+              rates: tuple[float, float], *, scorings: int, params: int, products: int) -> estimate.Estimate:
+    """The whole run's time, as it starts (catalog.tuning.estimate): --minutes is training time only."""
+    from catalog.tuning import trainer
+
+    done_steps, spent_s = trainer.progress(work / "checkpoints")
+    step_s = per_step / estimate.PROBE_SHARE
+    if req.minutes is not None:
+        budget_s = req.minutes * 60
+        train_s = max(0.0, budget_s - spent_s)  # the steps were sized to fill it; setup and checkpoints fill the rest
+        what = f"the --minutes {req.minutes:g} budget, which counts training only" + (
+            f", {estimate.duration(spent_s)} of it spent before this resume" if spent_s else "")
+    else:
+        train_s = max(0, max_steps - done_steps) * step_s
+        what = f"{max_steps - done_steps} steps at {step_s:.2f} s" + (f", {done_steps} done before" if done_steps
+                                                                        else "")
+    documents, queries = heldout.workload(held)
+    return estimate.Estimate(so_far_s, train_s, what, scorings, documents, queries, rates[0], rates[1], params,
+                             products if req.rollout is not None else 0,
+                             with_base=not (work / BASE_FIGURES).is_file())
 
 
 def _judged(path: Path, products: Sequence[Product], say: Say) -> heldout.Judged:

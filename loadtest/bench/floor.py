@@ -21,12 +21,12 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 
+from embedcar_client.client import Client
+from embedcar_client.proto import embedcar_pb2 as pb
+from embedcar_client.wire import SERVICE
 from inference.errors import EmbedcarError
 from inference.lifecycle import terminate
 from inference.ports import free_port
-from sidecar.client import Client
-from sidecar.proto import embedcar_pb2 as pb
-from sidecar.wire import SERVICE
 
 
 def fixed_reply(dim: int) -> bytes:

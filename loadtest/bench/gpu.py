@@ -309,6 +309,10 @@ def install_bundle(bundle: Path, prefix: Path) -> list[str]:
 
     site = prefix / "site"
     site.mkdir(parents=True, exist_ok=True)
+    # The embedcar-client distribution (client/), which the project's packages import: not installed there.
+    client = str(ROOT / "client")
+    sys.path.insert(0, client)
+    os.environ["PYTHONPATH"] = os.pathsep.join([client, os.environ.get("PYTHONPATH", "")]).rstrip(":")
     notes: list[str] = []
     if not (bundle / MANIFEST).exists():
         return [f"no bundle at {bundle} (run `make gpu-bundle` here and carry it): Triton rows will be skipped"]

@@ -314,7 +314,7 @@ def _http_vector(url: str, model: str | None = None) -> Callable[[str], np.ndarr
 
 def _grpc_vector(target: str, *, stream: bool = False) -> Callable[[str], np.ndarray]:
     async def one(text: str) -> np.ndarray:
-        from sidecar.client import AsyncClient
+        from embedcar_client.client import AsyncClient
 
         async with AsyncClient(target, stream=stream) as c:
             return np.asarray((await c.embed([text], timeout_s=30.0)).embeddings[0], dtype=np.float32)

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from embedcar_client.client import AsyncClient, Client
 from inference.backends.factory import make_backend
 from inference.backends.onnx import OnnxBackend
 from inference.embedder import load_tokenizer
@@ -43,7 +44,6 @@ from inference.manifest import load_manifest
 from inference.tokenizer import QueryTokenizer
 from loadtest.bench.floor import floor_process
 from loadtest.stack import SidecarProcess
-from sidecar.client import AsyncClient, Client
 from sidecar.settings import Settings
 
 _WORDS = ("organic whole milk oat almond soy greek yogurt vanilla strawberry banana apple gala fuji "

@@ -147,7 +147,7 @@ def compiled_unavailable_reason() -> str | None:
 
 def _stream_payload(i: int) -> bytes:
     """REQUEST's size, starting with a StreamRequest's id i + 1 (what the native sender matches replies by)."""
-    from sidecar.proto import embedcar_pb2 as pb
+    from embedcar_client.proto import embedcar_pb2 as pb
 
     head = pb.StreamRequest(id=i + 1).SerializeToString()
     return head + REQUEST[len(head):]

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import grpc
 
+from embedcar_client.proto import embedcar_pb2 as pb
+from embedcar_client.wire import API_KEY, SERVICE
 from embedcar_settings import Settings
 from loadtest.faults.result import ScenarioResult
-from sidecar.proto import embedcar_pb2 as pb
-from sidecar.wire import API_KEY, SERVICE
 
 NAME = "auth"
 TITLE = ("With API keys set: every surface refuses a missing or wrong key and serves the right one; "

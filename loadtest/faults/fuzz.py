@@ -33,10 +33,10 @@ from hypothesis import HealthCheck, Phase, example, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
+from embedcar_client.proto import embedcar_pb2 as pb
+from embedcar_client.wire import API_KEY, SERVICE
 from embedcar_settings import Settings
 from loadtest.faults.result import ScenarioResult
-from sidecar.proto import embedcar_pb2 as pb
-from sidecar.wire import API_KEY, SERVICE
 
 NAME = "fuzz"
 TITLE = ("Property-based fuzzing (hypothesis) of gRPC Embed/Search, POST /v1/embeddings and the demo "

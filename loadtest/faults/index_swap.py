@@ -30,7 +30,7 @@ from inference.errors import EmbedcarError
 from loadtest.faults.result import ScenarioResult
 
 if TYPE_CHECKING:
-    from sidecar.client import AsyncClient
+    from embedcar_client.client import AsyncClient
 
 NAME = "index-swap"
 TITLE = "Index hot swap under 50 req/s of Search: no failed search, every reply from one published version"
@@ -231,8 +231,8 @@ def _queries(titles: Sequence[str], *, seed: int, n: int = 500) -> list[str]:
 
 async def _drive(target: str, queries: Sequence[str], plan: Plan, publisher: Publisher,
                  swaps: list[Swap]) -> tuple[list[Reply], list[Swap], str]:
+    from embedcar_client.client import AsyncClient
     from loadtest.schedule import arrival_offsets, pace
-    from sidecar.client import AsyncClient
 
     replies: list[Reply] = []
     tasks: set[asyncio.Task[None]] = set()

@@ -72,7 +72,7 @@ class DemoThread:
     async def _start(self) -> str:
         from demo_ui.search import SidecarSearch
         from demo_ui.server import build_server, create_app
-        from sidecar.client import AsyncClient
+        from embedcar_client.client import AsyncClient
 
         self._client = AsyncClient(self._target, api_key=self._api_key)  # its channel lives on this loop
         app = create_app(self.settings, SidecarSearch(self._client), keys=self._keys, limits=self.limits)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from sidecar.proto import embedcar_pb2 as sidecar_dot_proto_dot_embedcar__pb2
+from embedcar_client.proto import embedcar_pb2 as embedcar__client_dot_proto_dot_embedcar__pb2
 
 GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in sidecar/proto/embedcar_pb2_grpc.py depends on'
+        + ' but the generated code in embedcar_client/proto/embedcar_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class EmbedderStub:
         """
         self.Embed = channel.unary_unary(
                 '/embedcar.v1.Embedder/Embed',
-                request_serializer=sidecar_dot_proto_dot_embedcar__pb2.EmbedRequest.SerializeToString,
-                response_deserializer=sidecar_dot_proto_dot_embedcar__pb2.EmbedReply.FromString,
+                request_serializer=embedcar__client_dot_proto_dot_embedcar__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=embedcar__client_dot_proto_dot_embedcar__pb2.EmbedReply.FromString,
                 _registered_method=True)
         self.Search = channel.unary_unary(
                 '/embedcar.v1.Embedder/Search',
-                request_serializer=sidecar_dot_proto_dot_embedcar__pb2.SearchRequest.SerializeToString,
-                response_deserializer=sidecar_dot_proto_dot_embedcar__pb2.SearchReply.FromString,
+                request_serializer=embedcar__client_dot_proto_dot_embedcar__pb2.SearchRequest.SerializeToString,
+                response_deserializer=embedcar__client_dot_proto_dot_embedcar__pb2.SearchReply.FromString,
                 _registered_method=True)
         self.Stream = channel.stream_stream(
                 '/embedcar.v1.Embedder/Stream',
-                request_serializer=sidecar_dot_proto_dot_embedcar__pb2.StreamRequest.SerializeToString,
-                response_deserializer=sidecar_dot_proto_dot_embedcar__pb2.StreamReply.FromString,
+                request_serializer=embedcar__client_dot_proto_dot_embedcar__pb2.StreamRequest.SerializeToString,
+                response_deserializer=embedcar__client_dot_proto_dot_embedcar__pb2.StreamReply.FromString,
                 _registered_method=True)
 
 
@@ -84,18 +84,18 @@ def add_EmbedderServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Embed': grpc.unary_unary_rpc_method_handler(
                     servicer.Embed,
-                    request_deserializer=sidecar_dot_proto_dot_embedcar__pb2.EmbedRequest.FromString,
-                    response_serializer=sidecar_dot_proto_dot_embedcar__pb2.EmbedReply.SerializeToString,
+                    request_deserializer=embedcar__client_dot_proto_dot_embedcar__pb2.EmbedRequest.FromString,
+                    response_serializer=embedcar__client_dot_proto_dot_embedcar__pb2.EmbedReply.SerializeToString,
             ),
             'Search': grpc.unary_unary_rpc_method_handler(
                     servicer.Search,
-                    request_deserializer=sidecar_dot_proto_dot_embedcar__pb2.SearchRequest.FromString,
-                    response_serializer=sidecar_dot_proto_dot_embedcar__pb2.SearchReply.SerializeToString,
+                    request_deserializer=embedcar__client_dot_proto_dot_embedcar__pb2.SearchRequest.FromString,
+                    response_serializer=embedcar__client_dot_proto_dot_embedcar__pb2.SearchReply.SerializeToString,
             ),
             'Stream': grpc.stream_stream_rpc_method_handler(
                     servicer.Stream,
-                    request_deserializer=sidecar_dot_proto_dot_embedcar__pb2.StreamRequest.FromString,
-                    response_serializer=sidecar_dot_proto_dot_embedcar__pb2.StreamReply.SerializeToString,
+                    request_deserializer=embedcar__client_dot_proto_dot_embedcar__pb2.StreamRequest.FromString,
+                    response_serializer=embedcar__client_dot_proto_dot_embedcar__pb2.StreamReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -123,8 +123,8 @@ class Embedder:
             request,
             target,
             '/embedcar.v1.Embedder/Embed',
-            sidecar_dot_proto_dot_embedcar__pb2.EmbedRequest.SerializeToString,
-            sidecar_dot_proto_dot_embedcar__pb2.EmbedReply.FromString,
+            embedcar__client_dot_proto_dot_embedcar__pb2.EmbedRequest.SerializeToString,
+            embedcar__client_dot_proto_dot_embedcar__pb2.EmbedReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -150,8 +150,8 @@ class Embedder:
             request,
             target,
             '/embedcar.v1.Embedder/Search',
-            sidecar_dot_proto_dot_embedcar__pb2.SearchRequest.SerializeToString,
-            sidecar_dot_proto_dot_embedcar__pb2.SearchReply.FromString,
+            embedcar__client_dot_proto_dot_embedcar__pb2.SearchRequest.SerializeToString,
+            embedcar__client_dot_proto_dot_embedcar__pb2.SearchReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -177,8 +177,8 @@ class Embedder:
             request_iterator,
             target,
             '/embedcar.v1.Embedder/Stream',
-            sidecar_dot_proto_dot_embedcar__pb2.StreamRequest.SerializeToString,
-            sidecar_dot_proto_dot_embedcar__pb2.StreamReply.FromString,
+            embedcar__client_dot_proto_dot_embedcar__pb2.StreamRequest.SerializeToString,
+            embedcar__client_dot_proto_dot_embedcar__pb2.StreamReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,7 +1,7 @@
 """What a caller of the sidecar gets back: the client's result types, and the demo page's.
 
-Only numpy here: sidecar/client.py (and so every search node) imports this, never the server's
-modules. The server builds its own replies (sidecar/service.py, catalog/index.py Hit) and turns
+Only numpy here: embedcar_client/client.py (and so every search node) imports this, never the
+server's modules. The server builds its own replies (sidecar/service.py, catalog/index.py Hit) and turns
 them into protobuf; the client turns the protobuf into these.
 """
 

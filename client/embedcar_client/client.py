@@ -17,12 +17,14 @@ under mutual TLS).
 `AsyncClient(target, stream=True)` sends the same calls as messages on one long-lived `Stream`
 call instead of a unary call each: about half the round trip, for callers with a steady flow of
 small requests (opened on first use, reopened on the next call after it fails).
-Failures raise inference.errors types (Unauthenticated, Overloaded, InvalidInput, Unavailable,
-DeadlineExceeded, Internal); Overloaded carries the server's retry_after_s hint.
+Failures raise embedcar_client.errors types (Unauthenticated, Overloaded, InvalidInput, Unavailable,
+DeadlineExceeded, Internal; the server's inference.errors are the same classes); Overloaded carries the
+server's retry_after_s hint.
 
-It imports no server module, only the generated stubs, sidecar/wire.py, the error types and its
-result types (sidecar/results.py), so a search node needs grpcio, protobuf and numpy, not the model
-stack (tests/test_client_standalone.py).
+It is its own distribution, embedcar-client (client/ in the repository: `pip install ./client`): the
+generated stubs, wire.py, the error types and its result types (results.py), so a search node needs
+grpcio, protobuf and numpy, not the model stack (tests/test_client_standalone.py,
+tests/test_client_package.py).
 """
 
 from __future__ import annotations
@@ -42,15 +44,21 @@ from typing import Any, Self
 import grpc
 import numpy as np
 
-from inference.errors import DeadlineExceeded, EmbedcarError, InvalidInput, Unavailable
-from inference.private_paths import closed_folder_problem, user_text
-from sidecar.errors import from_grpc
-from sidecar.proto import embedcar_pb2 as pb
-from sidecar.proto import embedcar_pb2_grpc  # generated, untyped: mypy treats it as Any
-from sidecar.results import EmbedResult as EmbedResult  # re-exported: callers import the results from here
-from sidecar.results import SearchHit as SearchHit
-from sidecar.results import SearchResult as SearchResult
-from sidecar.wire import API_KEY, RETRY_AFTER_KEY
+from embedcar_client.errors import (
+    DeadlineExceeded,
+    EmbedcarError,
+    InvalidInput,
+    PayloadTooLarge,
+    Unavailable,
+    error_for_grpc,
+)
+from embedcar_client.private_paths import closed_folder_problem, user_text
+from embedcar_client.proto import embedcar_pb2 as pb
+from embedcar_client.proto import embedcar_pb2_grpc  # generated, untyped: mypy treats it as Any
+from embedcar_client.results import EmbedResult as EmbedResult  # re-exported: callers import the results from here
+from embedcar_client.results import SearchHit as SearchHit
+from embedcar_client.results import SearchResult as SearchResult
+from embedcar_client.wire import API_KEY, RETRY_AFTER_KEY
 
 # The stage and search-mode names come from the .proto rather than from the server's modules
 # (sidecar.timings.STAGES, catalog.fusion.SearchMode), which the client does not import;
@@ -110,6 +118,16 @@ def search_request(texts: Texts, k: int, department: str | None, aisle: str | No
     """`filters`: field -> value on the index's filter fields; `department` / `aisle` are shorthands."""
     return pb.SearchRequest(texts=text_list(texts), k=k, department=department or "", aisle=aisle or "",
                             mode=mode_label(mode), model=model or "", filters=dict(filters or {}))
+
+
+def from_grpc(code: grpc.StatusCode, details: str | None, retry_after_s: float | None = None) -> EmbedcarError:
+    """The project error for a gRPC failure seen by a client."""
+    cls = error_for_grpc(code.name)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and details and "larger than max" in details:
+        cls = PayloadTooLarge  # grpc's own max-message-size check: the request, not the server, is at fault
+    if code == grpc.StatusCode.CANCELLED:  # see Shed: gRPC's own refusal carries no message of ours
+        details = f"refused in the transport: too many calls waiting ({details or 'cancelled'})"
+    return cls(details or code.name.lower(), retry_after_s=retry_after_s)
 
 
 def map_rpc_error(exc: grpc.RpcError) -> EmbedcarError:

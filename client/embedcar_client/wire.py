@@ -3,7 +3,7 @@ metadata keys. The client imports this, not the server."""
 
 from __future__ import annotations
 
-from sidecar.proto import embedcar_pb2 as pb
+from embedcar_client.proto import embedcar_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
 API_KEY = "x-api-key"  # request metadata: the caller's key (HTTP: Authorization: Bearer)
