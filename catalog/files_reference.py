@@ -52,7 +52,18 @@ def catalog_files_page() -> str:
         f"- **text fields** (`--text-fields`, default `{text_fields}`): joined with ` | ` into the text that is "
         "embedded; a row whose text fields are all empty is a bad row, a list or an object there too.",
         "- every other column is kept with the product and returned by Search (`fields`, as text); a list or an "
-        "object there is kept as JSON text. `department` and `aisle` are what Search's filters match.",
+        "object there is kept as JSON text.",
+        "- **filter fields** (`--filter-fields`, setting `catalog.filter_fields`): the columns Search may filter on "
+        "(gRPC `filters`, HTTP `filters`, `catalog search --filter FIELD=VALUE`), matched to the file's columns "
+        "case-insensitively (`department` finds `Department`; a name no column has is refused at build with the "
+        "nearest one); none declared: `department` and `aisle` where the file has them. The build prints them "
+        "and the manifest records them; a filter on another field, or with a value no product has, is a 400 / "
+        "INVALID_ARGUMENT naming the fields or the nearest values, never an empty list.",
+        "",
+        "Where it lands: `catalog build FILE` builds into `indexes/<name>` under the data home, the name from "
+        "`--name` or the file's (`products.csv.gz` → `indexes/products`), unless `--index-root` says otherwise; "
+        "a file whose ids share under `catalog.min_id_overlap` (10 %) with that index's current version is "
+        "another catalog, refused before embedding (`--force` or not).",
         "",
         "Types: Search returns every field as text, but `embedcar catalog export` writes a JSON Lines or "
         "Parquet field as its type when the column agrees on one: numbers as JSON numbers (integers and "
