@@ -26,26 +26,19 @@ from catalog.filters import Filters, merged
 from catalog.fusion import LEXICAL_LEG, SEMANTIC_LEG, FittedFusion, Fusion, Ranked, SearchMode, query_shape
 from catalog.index_version import Snapshot, check_model, load_version, other_model
 from catalog.settings import CatalogSettings
+from embedcar_client.results import SearchHit as Hit  # one hit type: the index's is a client's
 from inference.errors import FailedPrecondition, Internal, InvalidInput, ModelError, NotFound, Unavailable
 
 if TYPE_CHECKING:
     from catalog.lexical import LexicalHits
 
 log = logging.getLogger(__name__)
+__all__ = ["EXACT_SUBSET_MAX", "Hit", "Legs", "ProductIndex", "Ranking", "fuse"]
 
 F32 = npt.NDArray[np.float32]
 # ANN + a selective filter misses results (the few matching items sit in unprobed lists), so a
 # filtered ANN search over up to this many matching items is done exactly on their vectors.
 EXACT_SUBSET_MAX = 50_000
-
-
-@dataclass(frozen=True, slots=True)
-class Hit:
-    id: str
-    score: float
-    fields: dict[str, str]
-    legs: tuple[str, ...] = ()  # the search leg(s) that found it: "semantic", "lexical"
-    matched: tuple[str, ...] = ()  # the typed attributes it carries ("dairy free"; catalog/attributes.py)
 
 
 @dataclass(frozen=True, slots=True)

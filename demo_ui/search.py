@@ -73,7 +73,6 @@ class ServiceSearch:
         service = self._service
         call = service.call(service.caller(None), model=self._model, deadline=time.monotonic() + timeout_s)
         res = await service.search(call, [text], k=k, mode=mode)
-        # The service's hits as the gRPC front would send them, so the page sees one type either way.
         hits = [[SearchHit(h.id, float(h.score), h.fields, h.legs, h.matched) for h in hl] for hl in res.hits]
         # The reply's own id: the version that answered, also after a rollout swapped the model.
         return SearchResult(hits, res.model or self._service.model, res.index_version, list(res.cache_hits),
