@@ -40,7 +40,7 @@ class EmbedcarError(Exception):
 
 
 class InvalidInput(EmbedcarError):
-    """The caller sent something we cannot embed or search (empty batch, too long, bad type)."""
+    """The caller sent something the sidecar cannot embed or search (empty batch, too long, bad type)."""
 
 
 class UnknownModel(InvalidInput):

@@ -418,7 +418,7 @@ def _int8(args: argparse.Namespace) -> int:
 
 # --- gpu ------------------------------------------------------------------------------------
 def _register_gpu(areas: Any) -> None:
-    p = areas.add_parser("gpu", help="the check a session runs on a lent GPU machine: its facts, the gpu tests, "
+    p = areas.add_parser("gpu", help="the check to run on a GPU machine: its facts, the gpu tests, "
                          "torch floor vs sidecar (torch, Triton) latency (docs/gpu.md; also "
                          "`python3 -m loadtest.bench.gpu` where embedcar is not installed)")
     from loadtest.bench.gpu import add_arguments  # stdlib only at import: cheap
