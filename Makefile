@@ -47,13 +47,13 @@ browser:
 	  (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
 	  || echo "chromium could not be installed: the browser test will be skipped"; }
 
-# gRPC's C++ library (and Python's headers) for the load generator's compiled sender and the sidecar's
-# compiled gRPC front, its default gRPC server (loadtest/native_build.py builds them on first use). Best
-# effort: without them their tests skip and say why, and the sidecar serves with grpc.aio.
+# gRPC's C++ library (and Python's headers) for the load generator's compiled sender, a benchmark client
+# (loadtest/native_build.py builds it on first use; the sidecar itself serves with grpc.aio). Best
+# effort: without them its tests skip and say why.
 native:
 	@{ test -f /usr/include/grpcpp/generic/generic_stub.h && test -f "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h"; } || { \
 	  (apt-get update -qq && apt-get install -y -qq g++ libgrpc++-dev python3-dev) >/dev/null 2>&1 \
-	  || echo "libgrpc++-dev could not be installed: the compiled sender's and front's tests will be skipped"; }
+	  || echo "libgrpc++-dev could not be installed: the compiled sender's tests will be skipped"; }
 
 # mimalloc, the sidecar's malloc where it is installed (sidecar/allocator.py; Debian 12 names it
 # libmimalloc2.0, later releases libmimalloc3). Best effort: without it the sidecar uses the C library's.

@@ -1,7 +1,7 @@
 """The load generator's compiled sender: a sidecar's gRPC calls sent on schedule from C++.
 
 On two shared cores the load generator's own CPU is in every latency it reports, and a Python
-grpc.aio client costs 0.7-1 ms of CPU per call (`bench transport`): more than the sidecar's own
+grpc.aio client costs 0.7-1 ms of CPU per call (docs/benchmarks.md): more than the sidecar's own
 stages. A search node calls from a compiled client; `loadtest/native/loadgen.cc` is one, on
 gRPC's C core (the library the sidecar's server runs on), so a load test can measure what such a
 caller sees. Python still does everything but the sending: it builds the schedule and the

@@ -106,7 +106,7 @@ def test_a_tenant_never_sees_another_tenants_hits(two_tenants: tuple[Sidecar, Pr
         other = b.embed(["oat milk barista"])  # A asked it a moment ago: still a miss for B
         assert other.cache_hits == [False] and b.embed(["oat milk barista"]).cache_hits == [True]
         assert np.array_equal(first.embeddings, other.embeddings)
-        # A batch (the loop's path, not the compiled front's one-text one) and the HTTP front alike
+        # A batch and the HTTP front alike
         assert b.embed(["rye bread", "oat milk barista"]).cache_hits == [False, True]
         assert a.embed(["rye bread", "oat milk barista"]).cache_hits == [False, True]
         r = httpx.post(f"http://127.0.0.1:{sc.http_port}/v1/embeddings", json={"input": ["blood orange"]},

@@ -1,4 +1,4 @@
-"""`embedcar bench model|int8|triton|sidecar|serving|neighbour|catalog|demo|transport|refusal|gpu`: the benchmarks
+"""`embedcar bench model|int8|triton|sidecar|serving|neighbour|catalog|demo|refusal|gpu`: the benchmarks
 behind docs/performance.md.
 
 Each area takes the settings flags of the runtime command it measures (inference.flags), so a
@@ -36,7 +36,7 @@ from sidecar.cli import add_sidecar_flags
 
 def register(sub: Any) -> None:
     p = sub.add_parser("bench", help="the benchmarks behind docs/performance.md (model, int8, triton, sidecar, "
-                       "serving, neighbour, catalog, demo, transport, refusal, gpu)",
+                       "serving, neighbour, catalog, demo, refusal, gpu)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     areas = p.add_subparsers(dest="bench_area", required=True, metavar="AREA")
     _register_model(areas)
@@ -46,7 +46,6 @@ def register(sub: Any) -> None:
     _register_neighbour(areas)
     _register_catalog(areas)
     _register_demo(areas)
-    _register_transport(areas)
     _register_refusal(areas)
     _register_int8(areas)
     _register_gpu(areas)
@@ -348,27 +347,6 @@ def _demo(args: argparse.Namespace) -> int:
     url = args.url or f"ws://{s.host}:{s.port}/ws"
     bench(url, n_queries=args.queries, key_interval_ms=args.key_interval_ms, seed=args.seed,
           budget_ms=s.budget_ms, out=args.out)
-    return 0
-
-
-# --- transport ------------------------------------------------------------------------------
-def _register_transport(areas: Any) -> None:
-    p = areas.add_parser("transport", help="echo round trip: raw TCP vs a gRPC unary call vs a message on a gRPC "
-                         "stream (what the Stream RPC saves per request)")
-    p.add_argument("--rounds", type=int, default=10, help="alternating blocks per transport (default 10)")
-    p.add_argument("--block", type=int, default=100, help="calls per block (default 100)")
-    p.add_argument("--gap-ms", type=float, default=5.0, help="pause between calls (default 5)")
-    p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON here")
-    p.set_defaults(func=_transport)
-
-
-def _transport(args: argparse.Namespace) -> int:
-    from loadtest.bench.transport import markdown, run
-
-    result = run(rounds=args.rounds, block=args.block, gap_ms=args.gap_ms)
-    print(markdown(result, rounds=args.rounds, block=args.block, gap_ms=args.gap_ms))
-    if args.json:
-        atomic_write_text(args.json, json.dumps(result, indent=2, sort_keys=True) + "\n")
     return 0
 
 

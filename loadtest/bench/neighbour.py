@@ -98,29 +98,17 @@ TRITON = {"triton": {}, "triton-system-malloc": SYSTEM_MALLOC}
 CONFIGS = (*MODEL, *EMBEDDED, *TRITON)
 DEFAULT_CONFIGS = ("model-1t", "model-2t", "default", "every-core", "event-engine", "stream", "asyncio-loop",
                    "system-malloc", "triton", "triton-system-malloc")
-STREAMED = {"stream", "stream-aio"}  # configurations whose queries are messages on one open Stream call
-DESCRIPTIONS = {  # the retired configurations' too: their reports still render
+STREAMED = {"stream"}  # configurations whose queries are messages on one open Stream call
+DESCRIPTIONS = {
     "model-1t": "the model alone in its own process, 1 thread, exact lengths",
     "model-2t": "the model alone in its own process, all threads, exact lengths",
     "default": "sidecar, embedded, the defaults",
-    "aio": "sidecar, embedded, grpc.aio on the main port (beside the retired compiled front)",
     "every-core": "sidecar, embedded, ORT on every core (the default before the threads were chosen)",
-    "small-pass": "sidecar, embedded, short passes on a 1-thread session",
-    "executor": "sidecar, embedded, every forward on a worker thread",
     "event-engine": "sidecar, embedded, gRPC's sockets on its EventEngine threads",
     "stream": "sidecar, embedded, the defaults, queries as Stream messages",
-    "stream-aio": "sidecar, embedded, grpc.aio on the main port, queries as Stream messages",
-    "front": "sidecar, embedded, grpc.aio main port, calls to the compiled front's own port",
-    "uvloop": "sidecar, embedded, uvloop's event loop",
     "asyncio-loop": "sidecar, embedded, asyncio's event loop (not uvloop)",
-    "kernel-slice": "sidecar, embedded, the kernel's default CPU slice",
     "system-malloc": "sidecar, embedded, the C library's malloc (not mimalloc)",
-    "spinning": "sidecar, embedded, ORT threads spin",
-    "before": "sidecar, embedded, the old default (spinning, bucket padding)",
-    "no-spin-bucket": "sidecar, embedded, no spinning, bucket padding",
     "triton": "sidecar, Triton backend (CPU)",
-    "triton-aio": "sidecar, Triton backend (CPU), grpc.aio on the main port",
-    "triton-front": "sidecar, Triton backend (CPU), grpc.aio main port, calls to the compiled front's own port",
     "triton-system-malloc": "sidecar, Triton backend (CPU), the C library's malloc (not mimalloc)",
 }
 CPU_MARGIN_MS = 1.0  # unary gRPC: the sidecar may add this much CPU per query to the model's own
