@@ -119,7 +119,9 @@ def check_same_catalog(settings: Settings, ids: Sequence[str]) -> None:
     import pyarrow.parquet as pq
 
     try:
-        theirs = {str(v) for v in pq.read_table(current / store.PRODUCTS_FILE, columns=["id"])["id"].to_pylist()}
+        # One column, read on this thread: no Arrow thread pool left running in a job that then exits
+        table = pq.read_table(current / store.PRODUCTS_FILE, columns=["id"], use_threads=False, memory_map=False)
+        theirs = {str(v) for v in table["id"].to_pylist()}
     except (OSError, ValueError, KeyError):
         return  # an unreadable version is not evidence of another catalog
     shared = len(theirs.intersection(ids))
